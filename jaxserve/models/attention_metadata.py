@@ -1,0 +1,27 @@
+"""Paged-attention metadata: what every attention layer of one step reads.
+
+Layout for a batch of 2 requests, page_size 4 (S = max_num_seqs):
+
+    tokens      [a5 a6 a7 | b0 b1 b2 | pad pad]   num_tokens T = 8 (bucketed)
+    cu_q_lens   [0, 3, 6, 6, ...]                 int32[S + 1]
+    kv_lens     [8, 3, 0, ...]                    int32[S] (context incl. this step)
+    page_indices[[7, 2, 0..], [5, 0, ..], ...]    int32[S, pages_per_seq]
+    slot_mapping[2*4+1, 2*4+2, 2*4+3, 20, 21, 22, 0, 0]   page * page_size + offset;
+                                                  padding writes into the null page 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array  # int32[T]
+    kv_lens: jax.Array  # int32[S]
+    page_indices: jax.Array  # int32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # int32[S + 1]
+    num_seqs: jax.Array  # int32[1]

@@ -1,0 +1,154 @@
+"""The Llama-family decoder (Llama 2/3/3.x, Mistral, SmolLM2, TinyLlama, Qwen2, Qwen3).
+
+Layers are stacked and run under `nn.scan`: one compiled layer body instead of
+`num_hidden_layers` unrolled copies keeps CPU compile time low. The KV cache of
+all layers is one array carried through the scan and updated in place:
+
+    kv_cache [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]
+             (key of kv-head h at slot 2h, value at 2h + 1)
+
+Inside layer `i` the cache is viewed as `[num_layers * num_pages, ...]` (a free
+reshape) and page ids / slots are offset by `i * num_pages`, so the attention
+kernels see an ordinary paged cache and nothing copies a layer out of the stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import kernels_pallas
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.attention_metadata import AttentionMetadata
+from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class Attention(nn.Module):
+    cfg: ArchConfig
+    dtype: Any
+    attention_backend: str
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,  # [T, hidden]
+        layer_idx: jax.Array,  # int32[]
+        cos: jax.Array,
+        sin: jax.Array,
+        kv_cache: jax.Array,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        T = x.shape[0]
+        dense = lambda n, bias, name: nn.Dense(  # noqa: E731
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
+        )
+        q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x)
+        k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x)
+        v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x)
+        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        num_layers, num_pages, page_size = kv_cache.shape[:3]
+        flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
+        page_offset = layer_idx * num_pages
+        with jax.named_scope("kv_cache_update"):
+            flat = kernels_pallas.update_kv_cache(
+                flat, k, v, md.slot_mapping + page_offset * page_size,
+                backend=self.attention_backend,
+            )
+        with jax.named_scope("attention"):
+            out = kernels_pallas.ragged_paged_attention(
+                q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
+                sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
+            )
+        kv_cache = flat.reshape(kv_cache.shape)
+        out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size))
+        return out, kv_cache
+
+
+class DecoderLayer(nn.Module):
+    cfg: ArchConfig
+    dtype: Any
+    attention_backend: str
+
+    @nn.compact
+    def __call__(
+        self,
+        carry: tuple[jax.Array, jax.Array],
+        layer_idx: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        md: AttentionMetadata,
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+        h, kv_cache = carry
+        cfg = self.cfg
+        attn_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
+        attn_out, kv_cache = Attention(cfg, self.dtype, self.attention_backend, name="self_attn")(
+            attn_in, layer_idx, cos, sin, kv_cache, md
+        )
+        h = h + attn_out
+        mlp_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, name="mlp")(mlp_in)
+        return (h, kv_cache), None
+
+
+class LlamaForCausalLM(nn.Module):
+    """`__call__` runs the decoder and returns final hidden states and the new cache;
+    `compute_logits` applies the LM head only to the rows that are sampled."""
+
+    cfg: ArchConfig
+    dtype: Any = jnp.float32
+    attention_backend: str = "reference"
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype
+        )
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers,
+        )(cfg, self.dtype, self.attention_backend)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(
+                cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+            )
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # int32[T]
+        positions: jax.Array,  # int32[T]
+        kv_cache: jax.Array,  # [L, num_pages, page_size, 2 * kv_heads, head_dim]
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
+        layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+        (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)
+        return self.norm(h), kv_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        if self.cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
+
+
+def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    return (cfg.num_hidden_layers, num_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim)

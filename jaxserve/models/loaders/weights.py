@@ -1,0 +1,92 @@
+"""Hugging Face tensor names -> the decoder's stacked parameter tree.
+
+Every loader (HF safetensors, GGUF, Orbax) ends here: it hands over a function
+that returns one tensor by its Hugging Face name, and this module stacks the
+per-layer tensors, transposes projections to `[in, out]`, casts to the target
+dtype and checks every shape, naming the file and tensor when one is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxserve.models.arch_config import ArchConfig
+
+GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing, corrupt or of the wrong shape."""
+
+
+def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tuple[int, ...]]]:
+    """(HF suffix, param path inside `layers`, transpose, expected HF shape)."""
+    H, I, Q, KV, D = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+    rows: list[tuple[str, tuple[str, ...], bool, tuple[int, ...]]] = [
+        ("input_layernorm.weight", ("input_layernorm", "scale"), False, (H,)),
+        ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False, (H,)),
+        ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), True, (Q, H)),
+        ("self_attn.k_proj.weight", ("self_attn", "k_proj", "kernel"), True, (KV, H)),
+        ("self_attn.v_proj.weight", ("self_attn", "v_proj", "kernel"), True, (KV, H)),
+        ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), True, (H, Q)),
+        ("mlp.gate_proj.weight", ("mlp", "gate_proj", "kernel"), True, (I, H)),
+        ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), True, (I, H)),
+        ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), True, (H, I)),
+    ]
+    if cfg.attention_bias:
+        rows += [
+            ("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), False, (Q,)),
+            ("self_attn.k_proj.bias", ("self_attn", "k_proj", "bias"), False, (KV,)),
+            ("self_attn.v_proj.bias", ("self_attn", "v_proj", "bias"), False, (KV,)),
+        ]
+    if cfg.qk_norm:
+        rows += [
+            ("self_attn.q_norm.weight", ("self_attn", "q_norm", "scale"), False, (D,)),
+            ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), False, (D,)),
+        ]
+    return rows
+
+
+def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+    t = get(name)
+    if t is None:
+        raise WeightLoadError(f"{source}: tensor {name!r} is missing")
+    if tuple(t.shape) != shape:
+        raise WeightLoadError(
+            f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
+        )
+    if not np.issubdtype(t.dtype, np.floating) and t.dtype.name != "bfloat16":
+        raise WeightLoadError(f"{source}: tensor {name!r} has non-float dtype {t.dtype}")
+    return t
+
+
+def build_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
+    """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`."""
+    dtype = np.dtype(dtype)
+    L = cfg.num_hidden_layers
+    layers: dict[str, Any] = {}
+    for suffix, path, transpose, shape in _layer_table(cfg):
+        out_shape = shape[::-1] if transpose else shape
+        stacked = np.empty((L, *out_shape), dtype)
+        for i in range(L):
+            t = _fetch(get, f"model.layers.{i}.{suffix}", shape, source)
+            stacked[i] = t.T if transpose else t
+        node = layers
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = stacked
+    V, H = cfg.vocab_size, cfg.hidden_size
+    params: dict[str, Any] = {
+        "embed_tokens": {
+            "embedding": _fetch(get, "model.embed_tokens.weight", (V, H), source).astype(dtype)
+        },
+        "layers": layers,
+        "norm": {"scale": _fetch(get, "model.norm.weight", (H,), source).astype(dtype)},
+    }
+    if not cfg.tie_word_embeddings:
+        head = _fetch(get, "lm_head.weight", (V, H), source)
+        params["lm_head"] = {"kernel": np.ascontiguousarray(head.T).astype(dtype)}
+    return {"params": params}

@@ -1,0 +1,41 @@
+"""Hugging Face `architectures` names -> the decoder that implements them.
+
+Every name here is served by the one Llama-family decoder in `llama.py`; the
+differences (q/k/v bias, q/k norm, tied head, rope scaling) are flags of
+`ArchConfig`. A structurally different model gets its own file and entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# name -> module implementing it (all the Llama family for now).
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_architecture(names: Sequence[str] | None) -> str:
+    """Return the first supported name in a config's `architectures` list.
+
+    Raises ValueError naming what was asked for and what is supported.
+    """
+    if not names:
+        raise ValueError(
+            "config.json has no 'architectures' entry; supported: "
+            + ", ".join(supported_architectures())
+        )
+    for name in names:
+        if name in _ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"architecture {', '.join(names)} is not supported; supported: "
+        + ", ".join(supported_architectures())
+    )

@@ -1,0 +1,22 @@
+"""Shared test setup: JAX on the CPU in float32, with the persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import jax
+    except ImportError:  # host-only test runs
+        return
+    cache = os.environ.get(
+        "JAXSERVE_TEST_COMPILATION_CACHE",
+        os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax_test_cache"),
+    )
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,56 @@
+"""Tiny random Hugging Face checkpoints and a one-sequence forward pass for model tests."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,  # as SmolLM2; test_separate_lm_head covers the other case
+)
+
+
+def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """Save a randomly initialised transformers model of `kind` as an HF directory."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_kwargs = {**TINY_COMMON, **overrides}
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**cfg_kwargs)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**cfg_kwargs)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=32, **cfg_kwargs)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    # Random init leaves norms at 1 and biases at 0; perturb them so a mix-up shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    path = os.path.join(out_dir, kind)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()

@@ -1,0 +1,58 @@
+"""Assemble one engine core in this process: worker (JAX) + scheduler + EngineCore.
+
+Used by the offline `LLM` and by the engine-core process of the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_core.core import EngineCore
+from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.model_files import resolve_model
+from jaxserve.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    worker: Worker
+    config: EngineConfig  # with max_model_len resolved
+    num_blocks: int
+    timings: dict[str, float]
+
+
+def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
+    """Load, size, allocate and compile; then hand num_blocks to a new Scheduler."""
+    t0 = time.perf_counter()
+    files = resolve_model(config.model_config.model)
+    worker = Worker(config, files)
+    worker.load_model()
+    logger.info("loaded %s (%s) in %.1f s", files.name, files.path, worker.timings["load_s"])
+    sc = dataclasses.replace(config.scheduler_config, max_model_len=worker.max_model_len)
+    config = dataclasses.replace(
+        config,
+        scheduler_config=sc,
+        model_config=dataclasses.replace(config.model_config, max_model_len=worker.max_model_len),
+    )
+    worker.config = config
+    num_blocks = worker.determine_num_blocks()
+    worker.initialize_cache(num_blocks)
+    logger.info(
+        "KV cache: %d pages of %d tokens (%.2f GiB)", num_blocks, config.cache_config.block_size,
+        num_blocks * worker.page_bytes() / 2**30,
+    )
+    worker.compile_or_warm_up()
+    if "compile_s" in worker.timings:
+        logger.info("compiled all buckets in %.1f s", worker.timings["compile_s"])
+    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id)
+    batch_queue = 2 if sc.async_scheduling else 1
+    core = EngineCore(scheduler, worker, batch_queue_size=batch_queue)
+    timings = dict(worker.timings, total_s=time.perf_counter() - t0)
+    return BuiltEngine(core, worker, config, num_blocks, timings)

@@ -1,0 +1,123 @@
+"""The engine core's busy loop: schedule, execute, update (vLLM's EngineCore).
+
+With async scheduling the loop keeps up to `batch_queue_size` steps in flight:
+
+    schedule 1, dispatch 1 | schedule 2, dispatch 2, wait 1, update 1 | schedule 3, ...
+
+so the host schedules step N+1 while the device runs step N. Steps run on the
+device in dispatch order, which is what makes freeing a finished request's
+pages before its last in-flight step completes safe.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from jaxserve.engine_core.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.request import Request, RequestStatus
+from jaxserve.engine_core.sched_output import SchedulerOutput
+from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.engine_core.stats import SchedulerStats
+
+
+class ModelRunnerOutputHandle(Protocol):
+    """A step dispatched to the device; `result()` blocks until it is done."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Worker(Protocol):
+    """What the engine core needs from the worker (structural; never imported)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@runtime_checkable
+class AsyncWorker(Protocol):
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle: ...
+
+
+class _DoneHandle:
+    """Handle for a worker without execute_model_async: already computed."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self._output
+
+
+class EngineCore:
+    """Owns the scheduler and drives the worker, one step at a time."""
+
+    def __init__(self, scheduler: Scheduler, worker: Worker, batch_queue_size: int = 2) -> None:
+        if batch_queue_size < 1:
+            raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
+        self.scheduler = scheduler
+        self.worker = worker
+        self.batch_queue_size = batch_queue_size
+        # In-flight steps, newest on the left.
+        self.batch_queue: deque[tuple[ModelRunnerOutputHandle, SchedulerOutput]] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Abort requests; their pages are freed now and the worker drops them
+        with the next step. No output is produced for them."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One synchronous step: schedule, execute, update."""
+        if not self.scheduler.has_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        model_output = self._execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
+        """One turn of the async loop. Schedules and dispatches a new step if
+        the queue has room; then, if the queue is full or nothing new could be
+        dispatched, waits for the oldest step and returns its outputs.
+        Returns None when it only dispatched."""
+        dispatched = False
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if self._has_work_for_worker(scheduler_output):
+                self.batch_queue.appendleft((self._dispatch(scheduler_output), scheduler_output))
+                dispatched = True
+        if not self.batch_queue:
+            return []
+        if dispatched and len(self.batch_queue) < self.batch_queue_size:
+            return None
+        handle, scheduler_output = self.batch_queue.pop()
+        return self.scheduler.update_from_output(scheduler_output, handle.result())
+
+    @staticmethod
+    def _has_work_for_worker(scheduler_output: SchedulerOutput) -> bool:
+        return bool(
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.finished_req_ids
+            or scheduler_output.preempted_req_ids
+        )
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # NOTE: a step with no tokens still reaches the worker when it carries
+        # ids to drop; a step with nothing at all is skipped.
+        if not self._has_work_for_worker(scheduler_output):
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        return self.worker.execute_model(scheduler_output)
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle:
+        if isinstance(self.worker, AsyncWorker):
+            return self.worker.execute_model_async(scheduler_output)
+        return _DoneHandle(self.worker.execute_model(scheduler_output))

@@ -1,0 +1,85 @@
+"""What the engine core sends back to the front end after each step.
+
+Token ids only (the front end detokenizes and checks stop strings). These cross
+a ZeroMQ socket as msgpack, so every field is a plain type or has a
+`to_dict`/`from_dict` pair made only of lists, dicts, str, int, float and None.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.engine_core.model_runner_output import LogprobsLists
+from jaxserve.outputs import FinishReason
+
+
+class EngineCoreEventType(enum.Enum):
+    """A box the request passed, stamped with time.monotonic()."""
+
+    QUEUED = "queued"  # entered the scheduler's waiting queue
+    SCHEDULED = "scheduled"  # admitted from the waiting queue (again after a preemption)
+    PREEMPTED = "preempted"  # its pages were taken back; it will be recomputed
+    FIRST_TOKEN = "first_token"  # its first output token reached the engine core
+    FINISHED = "finished"  # stopped, length-capped or aborted
+
+
+@dataclass(slots=True)
+class EngineCoreEvent:
+    type: EngineCoreEventType
+    timestamp: float
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens (and possibly the end) of one request after one step.
+
+    `new_logprobs` has one row per token of `new_token_ids`. `events` carries
+    the timestamps recorded since the request's previous output, or None.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only, for msgpack."""
+        lp = self.new_logprobs
+        return {
+            "req_id": self.req_id,
+            "new_token_ids": self.new_token_ids,
+            "new_logprobs": None
+            if lp is None
+            else [lp.token_ids, lp.logprobs, lp.sampled_token_ranks],
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "stop_reason": self.stop_reason,
+            "num_cached_tokens": self.num_cached_tokens,
+            "events": None
+            if self.events is None
+            else [[e.type.value, e.timestamp] for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:
+        lp = d["new_logprobs"]
+        events = d["events"]
+        return cls(
+            req_id=d["req_id"],
+            new_token_ids=list(d["new_token_ids"]),
+            new_logprobs=None if lp is None else LogprobsLists(lp[0], lp[1], lp[2]),
+            finish_reason=None if d["finish_reason"] is None else FinishReason(d["finish_reason"]),
+            stop_reason=d["stop_reason"],
+            num_cached_tokens=d["num_cached_tokens"],
+            events=None
+            if events is None
+            else [EngineCoreEvent(EngineCoreEventType(t), ts) for t, ts in events],
+        )

@@ -1,0 +1,59 @@
+"""What the scheduler decided for one step: the only contract to the worker.
+
+The worker keeps its own copy of every request in its batch. A request's full
+data is sent once (NewRequestData), when it is admitted or resumed after a
+preemption; afterwards only diffs (CachedRequestData). The worker appends its
+own sampled tokens to its copy, so tokens never travel back here.
+
+Worker order of operations for one SchedulerOutput:
+  1. drop finished_req_ids and preempted_req_ids (ids it does not hold are ignored),
+  2. add scheduled_new_reqs (block table = block_ids),
+  3. extend block tables with new_block_ids of scheduled_cached_reqs,
+  4. compute num_scheduled_tokens[r] tokens for each r from position
+     num_computed_tokens, and sample for r iff that reaches the end of its
+     tokens (with async scheduling: its tokens including its own sampled ones).
+A step with total_num_scheduled_tokens == 0 only carries ids to drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when a preempted request is resumed (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit length (or 0)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests already in the worker's batch; parallel lists."""
+
+    req_ids: list[str]
+    new_block_ids: list[list[int]]
+    num_computed_tokens: list[int]  # before this step's tokens
+
+    @classmethod
+    def make_empty(cls) -> CachedRequestData:
+        return cls(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the previous step; the worker drops them
+    preempted_req_ids: set[str]  # the worker drops them; they come back later as NewRequestData
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData.make_empty(), {}, 0, set(), set())

@@ -1,0 +1,458 @@
+"""Decides, every step, which requests compute how many tokens (vLLM V1's Scheduler).
+
+There is no prefill or decode phase. Each request has `num_computed_tokens`
+and `num_tokens`; a step gives requests tokens so the first catches up with the
+second, under a token budget (`max_num_batched_tokens`) and a cap on running
+requests (`max_num_seqs`). That one rule yields continuous batching, chunked
+prefill and prefix-cache hits:
+
+    step 1: A [prompt 0:512)   (chunk)           budget 512
+    step 2: A [512:700) + B [0:324)              A first: running before waiting
+    step 3: A decode 1  + B [324:600) ...
+
+Running requests are served first, in order; when pages run out the worst one
+(FCFS: latest arrival; PRIORITY: highest priority value, then latest arrival)
+is preempted by recompute. Waiting requests are admitted only when their whole
+remaining prompt fits in free pages, and never in a step that preempted.
+
+Async scheduling: step N+1 is scheduled before step N's sampled tokens are
+known. A step that brings a request to the end of its known tokens adds an
+output placeholder; the next step computes that placeholder (the worker feeds
+its own sampled token) and update_from_output replaces it with the real token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from jaxserve.engine_core.block_pool import KVCacheBlock
+from jaxserve.engine_core.kv_cache_manager import KVCacheManager
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.request import Request, RequestStatus
+from jaxserve.engine_core.request_queue import create_request_queue
+from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.engine_core.stats import SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    """The engine core's scheduler. `num_blocks` (KV pages, page 0 included)
+    comes from the worker's memory profiling; `eos_token_id` is used for
+    requests that do not carry their own."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.policy
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.block_size = cache_config.block_size
+        self.eos_token_id = eos_token_id
+
+        capacity = (num_blocks - 1) * self.block_size
+        if capacity < self.max_model_len:
+            # NOTE: this guarantees progress: a request alone can always grow
+            # to max_model_len, so preemption never livelocks.
+            raise ValueError(
+                f"the KV cache holds {num_blocks - 1} pages of {self.block_size} tokens "
+                f"({capacity} tokens) but --max-model-len is {self.max_model_len}; lower "
+                f"--max-model-len or give the KV cache more memory"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Ids the worker must drop, sent with the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # since the previous make_stats()
+        self.total_num_preemptions = 0
+
+    # --- requests in and out ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises ValueError for one that can never run."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in the engine")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.req_id!r} has an empty prompt")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens:,} tokens but --max-model-len is "
+                f"{self.max_model_len:,} (room for at least one output token is needed)"
+            )
+        if request.eos_token_id is None:
+            request.eos_token_id = self.eos_token_id
+        kv = self.kv_cache_manager
+        if kv.block_hasher is not None:
+            request.set_block_hasher(kv.block_hasher, self.block_size)
+        self.requests[request.req_id] = request
+        self.waiting.add_request(request)
+        request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """End requests from outside the step (aborts). Unknown ids are ignored:
+        the request may have finished on its own meanwhile."""
+        if not finished_status.is_finished():
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        stopped_running: set[Request] = set()
+        stopped_waiting: list[Request] = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            was_running = request.status is _RUNNING
+            if was_running:
+                stopped_running.add(request)
+            else:
+                stopped_waiting.append(request)
+            request.status = finished_status
+            self._free_request(request, was_running)
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        if stopped_waiting:
+            self.waiting.remove_requests(stopped_waiting)
+
+    def _free_request(self, request: Request, was_running: bool) -> None:
+        """Release a request whose FINISHED_* status is set."""
+        # NOTE: only a RUNNING request is in the worker's batch; a preempted
+        # one was already dropped through preempted_req_ids.
+        if was_running:
+            self.finished_req_ids.add(request.req_id)
+        request.record_event(EngineCoreEventType.FINISHED)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+
+    # --- schedule -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: running requests first, then admissions."""
+        now = time.monotonic()
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_blocks: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running_reqs: list[Request] = []
+        scheduled_new_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        max_model_len = self.max_model_len
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            placeholders = request.num_output_placeholders
+            if placeholders and (
+                request.num_output_tokens + placeholders >= request.max_tokens
+                or request.num_tokens + placeholders >= max_model_len
+            ):
+                # Async: the tokens in flight already end the request.
+                req_index += 1
+                continue
+            num_computed = request.num_computed_tokens
+            num_new_tokens = min(
+                request.num_tokens + placeholders - num_computed,
+                token_budget,
+                max_model_len - 1 - num_computed,
+            )
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim_index = self._select_victim()
+                victim = running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                    if victim.req_id in num_scheduled_tokens:
+                        # Already scheduled in this step: give its tokens back.
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.req_id)
+                        del req_to_new_blocks[victim.req_id]
+                self._preempt_request(victim, now)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue  # `request` preempted itself; running[req_index] is the next one
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.req_id] = new_blocks
+            num_scheduled_tokens[request.req_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # NOTE: no admissions in a step that preempted: the pages just freed
+        # would go to a newcomer and the preempted request would thrash.
+        if not preempted_reqs:
+            token_budget = self._schedule_waiting(
+                token_budget, now, scheduled_new_reqs, num_scheduled_tokens
+            )
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=self._make_new_request_data(scheduled_new_reqs),
+            scheduled_cached_reqs=self._make_cached_request_data(
+                scheduled_running_reqs, req_to_new_blocks
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.req_id for r in preempted_reqs},
+        )
+        self.finished_req_ids = set()
+        self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
+        self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
+        return scheduler_output
+
+    def _schedule_waiting(
+        self,
+        token_budget: int,
+        now: float,
+        scheduled_new_reqs: list[Request],
+        num_scheduled_tokens: dict[str, int],
+    ) -> int:
+        """Admit waiting requests in queue order while their whole remaining
+        prompt fits in free pages; returns the budget left."""
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        skipped: list[Request] = []
+        while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+            request = waiting.peek_request()
+            if request.num_output_placeholders:
+                # NOTE: preempted while a step that samples for it was in
+                # flight; its token arrives with that step's output, then it
+                # can be resumed with all its tokens known.
+                skipped.append(waiting.pop_request())
+                continue
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            num_to_schedule = min(num_new_tokens, token_budget)
+            if num_to_schedule < num_new_tokens and not self.enable_chunked_prefill:
+                break
+            new_blocks = kv.allocate_slots(
+                request,
+                num_to_schedule,
+                num_computed,
+                computed_blocks,
+                num_lookahead_tokens=num_new_tokens - num_to_schedule,
+            )
+            if new_blocks is None:
+                break  # head of line: later requests wait their turn
+            waiting.pop_request()
+            self.running.append(request)
+            request.status = _RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
+            scheduled_new_reqs.append(request)
+            num_scheduled_tokens[request.req_id] = num_to_schedule
+            token_budget -= num_to_schedule
+        if skipped:
+            waiting.prepend_requests(skipped)
+        return token_budget
+
+    def _select_victim(self) -> int:
+        """Index in `running` of the request to preempt (O(n), rare)."""
+        running = self.running
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time))
+        return max(range(len(running)), key=lambda i: running[i].arrival_time)
+
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        """Free the request's pages; it is recomputed from scratch when resumed.
+        The caller has removed it from `running`."""
+        assert request.status is _RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.total_num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+        self.waiting.prepend_request(request)
+
+    def _make_new_request_data(self, requests: list[Request]) -> list[NewRequestData]:
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        return [
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=get_block_ids(r.req_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in requests
+        ]
+
+    @staticmethod
+    def _make_cached_request_data(
+        requests: list[Request], req_to_new_blocks: dict[str, list[KVCacheBlock]]
+    ) -> CachedRequestData:
+        req_ids = [r.req_id for r in requests]
+        return CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=[[b.block_id for b in req_to_new_blocks[i]] for i in req_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in requests],
+        )
+
+    def _update_after_schedule(self, requests: list[Request], num_scheduled: dict[str, int]) -> None:
+        """Advance num_computed_tokens now (vLLM's _update_after_schedule), so
+        the next step can be scheduled before this one's output arrives."""
+        async_scheduling = self.async_scheduling
+        for request in requests:
+            request.num_computed_tokens += num_scheduled[request.req_id]
+            if (
+                async_scheduling
+                and request.num_computed_tokens
+                == request.num_tokens + request.num_output_placeholders
+            ):
+                # This step samples a token for the request that is not known yet.
+                request.num_output_placeholders += 1
+
+    # --- update -------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, finish requests that stopped, and return
+        one EngineCoreOutput per request with new tokens or a finish."""
+        outputs: list[EngineCoreOutput] = []
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        requests = self.requests
+        async_scheduling = self.async_scheduling
+        caching = self.kv_cache_manager.enable_caching
+        stopped_running: set[Request] = set()
+        stopped_waiting: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None:
+                continue  # finished or aborted while this step was in flight
+            index = req_id_to_index.get(req_id)
+            if index is None:
+                continue
+            new_token_ids = sampled_token_ids[index]
+            if not new_token_ids:
+                continue  # partial prefill: nothing sampled
+            if async_scheduling and not request.num_output_placeholders:
+                continue  # a token nobody scheduled for: stale output
+            status_before = request.status
+            new_token_ids, stopped = self._append_and_check_stop(request, new_token_ids)
+            if async_scheduling:
+                request.num_output_placeholders -= len(new_token_ids)
+                if caching and status_before is _RUNNING:
+                    # Pages now full of real tokens whose KV dispatched steps compute.
+                    self.kv_cache_manager.cache_blocks(
+                        request, min(request.num_computed_tokens, request.num_tokens)
+                    )
+            if stopped:
+                was_running = status_before is _RUNNING
+                if was_running:
+                    stopped_running.add(request)
+                else:
+                    stopped_waiting.append(request)
+                self._free_request(request, was_running)
+            new_logprobs = None
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                new_logprobs = logprobs.slice(index, index + 1)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    events=request.take_events(),
+                )
+            )
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        if stopped_waiting:
+            self.waiting.remove_requests(stopped_waiting)
+        return outputs
+
+    def _append_and_check_stop(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append tokens one by one; on a stop, drop the tokens after it."""
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                return new_token_ids[:num_new], True
+        return new_token_ids, False
+
+    def _check_stop(self, request: Request, last_token_id: int) -> bool:
+        """Sets the FINISHED_* status. Order: min_tokens suppresses EOS and
+        stop_token_ids; EOS unless ignore_eos; stop_token_ids; max_tokens;
+        max_model_len (never suppressed: there is no room for more tokens)."""
+        num_output_tokens = request.num_output_tokens
+        params = request.sampling_params
+        if num_output_tokens >= params.min_tokens:
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # --- state and stats ----------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids still to be sent to the worker."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        """Whether a step has anything to do (schedule, or tell the worker to drop)."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot for metrics; resets the counters that are deltas."""
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=self.num_preemptions,
+        )
+        self.num_preemptions = 0
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached pages; refused (False) while requests hold pages."""
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,179 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`.
+
+The engine core runs in this process with no sockets: the same scheduler,
+worker and sampler as the server, so tests of `LLM` exercise the real path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+from jaxserve.engine import build_engine_core
+from jaxserve.engine_core.request import Request
+from jaxserve.model_files import resolve_model
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import load_tokenizer
+
+PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    """Generate offline with continuous batching; `model=None` is the default model."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        attention_backend: str = "reference",
+        async_scheduling: bool = True,
+        scheduling_policy: str = "fcfs",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
+        files = resolve_model(model)
+        self.tokenizer = load_tokenizer(files)
+        config = EngineConfig(
+            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len or 1,  # resolved from the model below
+                policy=SchedulingPolicy(scheduling_policy),
+                async_scheduling=async_scheduling,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
+        )
+        built = build_engine_core(config, self._eos())
+        self.engine = built
+        self.engine_core = built.core
+        self.config = built.config
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def _eos(self) -> int | None:
+        return None if self.tokenizer.eos_token_id is None else int(self.tokenizer.eos_token_id)
+
+    # ---- public API --------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(params)} entries but there are {len(prompts)} prompts"
+            )
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            ids.append(self._add_request(prompt, p, 0 if priority is None else priority[i]))
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            token_ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        else:
+            token_ids, text = self.tokenizer(prompt).input_ids, prompt
+        max_len = self.config.scheduler_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len} "
+                "(it must leave room for at least one output token)"
+            )
+        vocab = self.engine.worker.arch.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        request_id = str(next(self._counter))
+        for cid, p in self.output_processor.add_request(request_id, text, token_ids, params):
+            self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority))
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        core = self.engine_core
+        step = core.step_with_batch_queue if core.batch_queue_size > 1 else core.step
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while core.has_work():
+                outputs = step()
+                if not outputs:
+                    continue
+                results, to_abort = self.output_processor.process_outputs(outputs)
+                if to_abort:
+                    core.abort_requests(to_abort)
+                for r in results:
+                    if r.finished:
+                        final[r.request_id] = r
+                        bar.update()
+        return [final[i] for i in request_ids]

@@ -1,0 +1,213 @@
+"""Front-end output processing: token ids -> text, stop strings, RequestOutputs.
+
+Shared by the offline `LLM` and the API server (JAX-free). The engine core only
+knows token ids; here each sequence is detokenized incrementally (tokenizers'
+DecodeStream, O(1) per token), stop strings are searched in the new text, and
+a request that hit one is reported so the caller aborts it in the engine core.
+
+A request with `n > 1` fans out into n child sequences `"{request_id}-{i}"`,
+each with its own seed (`seed + i` when a seed is given), gathered back into
+one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    index: int
+    params: SamplingParams
+    stream: DecodeStream
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream needs
+        self.requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (engine request id, params) of each sequence."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        children = []
+        seqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            cid = child_id(request_id, i, params.n)
+            self._child_to_parent[cid] = (request_id, i)
+            children.append((cid, p))
+            seqs.append(_Sequence(i, p, DecodeStream(skip_special_tokens=p.skip_special_tokens),
+                                  logprobs=[] if p.logprobs is not None else None,
+                                  cumulative_logprob=0.0 if p.logprobs is not None else None))
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics(time.monotonic())
+        )
+        return children
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        return [child_id(request_id, s.index, len(state.seqs)) for s in state.seqs]
+
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request (the caller aborts its children in the engine core)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for cid in self.child_ids_of(state):
+                self._child_to_parent.pop(cid, None)
+
+    def child_ids_of(self, state: _RequestState) -> list[str]:
+        return [child_id(state.request_id, s.index, len(state.seqs)) for s in state.seqs]
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the RequestOutputs of the requests that
+        changed and the engine ids of sequences to abort (they hit a stop string)."""
+        changed: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            parent = self._child_to_parent.get(out.req_id)
+            if parent is None:
+                continue  # aborted meanwhile
+            state = self.requests[parent[0]]
+            seq = state.seqs[parent[1]]
+            if seq.finish_reason is not None:
+                continue
+            self._record_events(state, out, now)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if self._append(seq, out):
+                to_abort.append(out.req_id)
+            elif out.finish_reason is not None:
+                seq.finish_reason = out.finish_reason.value
+                seq.stop_reason = out.stop_reason
+            changed[state.request_id] = state
+        results = []
+        for state in changed.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.abort_request(state.request_id)
+            results.append(self._make_output(state))
+        return results, to_abort
+
+    def _append(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Detokenize new tokens; True if a stop string ended the sequence."""
+        p = seq.params
+        for i, tok in enumerate(out.new_token_ids):
+            seq.token_ids.append(tok)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                self._append_logprobs(seq, out, i)
+            # The final EOS/stop token is not text (vLLM drops it from the output text).
+            is_last_stop = out.finish_reason == FinishReason.STOP and i == len(out.new_token_ids) - 1 \
+                and isinstance(out.stop_reason, int | type(None))
+            if is_last_stop:
+                break
+            piece = seq.stream.step(self._backend, tok)
+            if not piece:
+                continue
+            start = max(len(seq.text) - _max_stop_len(p) + 1, 0)
+            seq.text += piece
+            if p.stop and self._check_stop_strings(seq, start):
+                return True
+        return False
+
+    @staticmethod
+    def _check_stop_strings(seq: _Sequence, search_from: int) -> bool:
+        for stop in seq.params.stop:
+            idx = seq.text.find(stop, search_from)
+            if idx != -1:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.text = seq.text[:end]
+                seq.finish_reason = FinishReason.STOP.value
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _append_logprobs(self, seq: _Sequence, out: EngineCoreOutput, i: int) -> None:
+        lp = out.new_logprobs
+        ids, vals, rank = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
+        entry = {ids[0]: Logprob(vals[0], rank, self.tokenizer.decode([ids[0]]))}
+        for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+            if t not in entry:
+                entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + vals[0]
+
+    @staticmethod
+    def _record_events(state: _RequestState, out: EngineCoreOutput, now: float) -> None:
+        m = state.metrics
+        for e in out.events or ():
+            if e.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
+                m.first_scheduled_time = e.timestamp
+            elif e.type == EngineCoreEventType.PREEMPTED:
+                m.num_preemptions += 1
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+
+    @staticmethod
+    def _make_output(state: _RequestState) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[s.to_output() for s in state.seqs],
+            finished=state.finished,
+            metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+
+def _max_stop_len(p: SamplingParams) -> int:
+    return max((len(s) for s in p.stop), default=1) if p.stop else 1

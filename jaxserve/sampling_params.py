@@ -1,0 +1,150 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and ranges.
+
+Validated once at construction so that a bad value is reported to the user who
+sent it (as a ValueError naming the field) instead of failing deep inside the
+engine. Frozen: the engine core, the worker's sampler and the detokenizer all
+read the same object and none of them may change it.
+
+This module never imports JAX (the API server and the engine core read it).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# The largest number of log-probabilities a request may ask for (vLLM's
+# default `max_logprobs`). The worker's sampler is compiled for this many.
+MAX_LOGPROBS = 20
+
+# Temperatures below this are treated as greedy sampling (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.Enum):
+    """How the worker's sampler picks a token; it groups requests by this."""
+
+    GREEDY = "greedy"
+    RANDOM = "random"
+    RANDOM_SEED = "random_seed"
+
+
+def _is_int(value: object) -> bool:
+    # NOTE: bool is a subclass of int; `n=True` is a caller bug, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters for one request (vLLM's `SamplingParams`).
+
+    `top_k` of -1 or 0 both mean "off" and are stored as 0. `stop` and
+    `stop_token_ids` are stored as tuples so the object stays hashable.
+    `n > 1` is fanned out into `n` engine requests by the front end: the
+    engine core schedules single sequences.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise first so that validation reads the stored form.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        else:
+            stop = tuple(stop)
+        object.__setattr__(self, "stop", stop)
+        stop_token_ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        if _is_int(self.top_k) and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._verify_args()
+
+    def _verify_args(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name, lo, hi in (
+            ("presence_penalty", -2.0, 2.0),
+            ("frequency_penalty", -2.0, 2.0),
+        ):
+            value = getattr(self, name)
+            if not _is_number(value) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not (rp > 0 and math.isfinite(rp)):
+            raise ValueError(f"repetition_penalty must be > 0, got {rp!r}")
+        t = self.temperature
+        if not _is_number(t) or not (t >= 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be >= 0, got {t!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"stop_token_ids must contain only ints >= 0, got {tok!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """Greedy below SAMPLING_EPS; seeded random needs a per-request generator."""
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def all_stop_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
+        """Token ids that end the request: the sampler masks these until
+        `min_tokens` outputs exist (vLLM's `all_stop_token_ids`)."""
+        ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return frozenset(ids)

@@ -1,0 +1,1 @@
+"""The worker box: model runner, input batch, buckets and sampler (imports JAX)."""

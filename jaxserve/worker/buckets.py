@@ -1,0 +1,38 @@
+"""Compiled shape buckets: the stand-in for vLLM's CUDA graphs.
+
+Every step pads its token count up to a bucket (powers of two from 16 up to
+`max_num_batched_tokens`) and its sampled-request count up to a request bucket
+(powers of two up to `max_num_seqs`), so a handful of programs compiled at
+start-up serve every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2*smallest, ... and `largest` itself (which need not be a power of two)."""
+    out: list[int] = []
+    b = smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    out.append(largest)
+    return tuple(out)
+
+
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    return power_of_two_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def request_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    return power_of_two_buckets(1, max_num_seqs)
+
+
+def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n; raises if n exceeds the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]

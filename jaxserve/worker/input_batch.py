@@ -1,0 +1,153 @@
+"""The persistent input batch: host-side state of every request the worker holds.
+
+Requests keep one row ("slot") for as long as they stay in the batch, so a step
+only sends diffs: new page ids and token counts. Per step, `prepare()` turns the
+scheduled rows into the flat padded arrays of one forward pass (pure NumPy).
+
+    token_ids   [max_num_seqs, max_model_len]   known tokens (prompt, and outputs
+                                                 known at admission after a preemption)
+    block_table [max_num_seqs, max_pages]       page ids, appended as the scheduler grows them
+
+A token whose position is at or past `num_known_tokens` is the one sampled by
+the previous step: it has not reached the host yet (async scheduling), so the
+device reads it from its own `last_sampled[slot]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@jax.tree_util.register_dataclass  # passed whole to the jitted forward
+@dataclass
+class StepInputs:
+    """Host arrays of one step (shapes padded; see model_runner for their use)."""
+
+    input_ids: np.ndarray  # i32[T]
+    prev_slot: np.ndarray  # i32[T]; >= 0: take last_sampled[prev_slot] instead
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]
+    kv_lens: np.ndarray  # i32[S]
+    page_indices: np.ndarray  # i32[S, max_pages]
+    cu_q_lens: np.ndarray  # i32[S + 1]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S]: last token of each scheduled request
+    sample_slots: np.ndarray  # i32[S]: batch slot of each row (S = padding, dropped)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_pages = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
+        self.block_table = np.zeros((max_num_seqs, self.max_pages), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.num_known_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
+        # Sampling parameters per slot.
+        self.temperature = np.ones(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int32)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.min_p = np.zeros(max_num_seqs, np.float32)
+        self.repetition_penalty = np.ones(max_num_seqs, np.float32)
+        self.frequency_penalty = np.zeros(max_num_seqs, np.float32)
+        self.presence_penalty = np.zeros(max_num_seqs, np.float32)
+        self.seeds = np.zeros(max_num_seqs, np.uint32)
+        self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
+        self.vocab_size = vocab_size
+        self.req_id_to_slot: dict[str, int] = {}
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+        num_computed_tokens: int,
+        seed: int,
+    ) -> int:
+        """Place a new (or resumed) request in a free slot; returns the slot."""
+        slot = self._free_slots.pop()
+        self.req_id_to_slot[req_id] = slot
+        n = len(token_ids)
+        self.token_ids[slot, :n] = token_ids
+        self.num_known_tokens[slot] = n
+        self.num_computed_tokens[slot] = num_computed_tokens
+        self.num_blocks[slot] = 0
+        self.append_blocks(slot, block_ids)
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = max(params.top_k, 0)
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.repetition_penalty[slot] = params.repetition_penalty
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        self.seeds[slot] = seed & 0xFFFFFFFF
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        return slot
+
+    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        n, k = int(self.num_blocks[slot]), len(block_ids)
+        self.block_table[slot, n : n + k] = block_ids
+        self.num_blocks[slot] = n + k
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def prepare(
+        self, req_ids: list[str], num_scheduled: np.ndarray, padded_tokens: int
+    ) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+        """Flat inputs for the scheduled requests (in `req_ids` order).
+
+        Returns the inputs, the slot of each request and whether each request
+        samples a real token this step (False for a prefill chunk short of the
+        end of its known tokens).
+        """
+        S, bs = self.max_num_seqs, self.block_size
+        R = len(req_ids)
+        slots = np.fromiter((self.req_id_to_slot[r] for r in req_ids), np.int32, R)
+        computed = self.num_computed_tokens[slots]
+        T = int(num_scheduled.sum())
+        cu = np.zeros(S + 1, np.int32)
+        np.cumsum(num_scheduled, out=cu[1 : R + 1])
+        cu[R + 1 :] = T
+        row = np.repeat(np.arange(R, dtype=np.int32), num_scheduled)
+        pos = computed[row] + (np.arange(T, dtype=np.int32) - cu[row])
+        tok_slot = slots[row]
+
+        inp = StepInputs(
+            input_ids=np.zeros(padded_tokens, np.int32),
+            prev_slot=np.full(padded_tokens, -1, np.int32),
+            positions=np.zeros(padded_tokens, np.int32),
+            slot_mapping=np.zeros(padded_tokens, np.int32),  # padding -> null page 0
+            kv_lens=np.zeros(S, np.int32),
+            page_indices=np.zeros((S, self.max_pages), np.int32),
+            cu_q_lens=cu,
+            num_seqs=np.array([R], np.int32),
+            logits_indices=np.zeros(S, np.int32),
+            sample_slots=np.full(S, S, np.int32),
+        )
+        known = self.num_known_tokens[tok_slot]
+        from_host = pos < known
+        inp.input_ids[:T] = np.where(from_host, self.token_ids[tok_slot, np.minimum(pos, self.max_model_len - 1)], 0)
+        inp.prev_slot[:T] = np.where(from_host, -1, tok_slot)
+        inp.positions[:T] = pos
+        inp.slot_mapping[:T] = self.block_table[tok_slot, pos // bs] * bs + pos % bs
+        end = computed + num_scheduled
+        inp.kv_lens[:R] = end
+        inp.page_indices[:R] = self.block_table[slots]
+        inp.logits_indices[:R] = cu[1 : R + 1] - 1
+        inp.sample_slots[:R] = slots
+        self.num_computed_tokens[slots] = end
+        samples = end >= self.num_known_tokens[slots]
+        return inp, slots, samples

@@ -1,0 +1,256 @@
+"""ModelRunner: SchedulerOutput -> padded device inputs -> compiled step -> tokens.
+
+Two compiled programs per step, each bucketed on one axis so their count stays
+small (|token buckets| + |request buckets|, all compiled at warm-up):
+
+    forward[T]  (params, kv_cache*, last_sampled, inputs) -> kv_cache, hidden[S]
+                runs the decoder over T (padded) tokens and keeps the hidden
+                state of each request's last token only
+    sample[R]   (params, hidden[S], last_sampled*, penalty state*, sampling md)
+                -> last_sampled, penalty state, tokens[R] and their logprobs
+                LM head on R (padded) rows only, then the on-device Sampler
+
+(* donated: updated in place.) The sampled tokens stay on the device in
+`last_sampled[slot]`, where the next step's forward reads them, so the host can
+prepare step N+1 before step N's tokens come back (async scheduling).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
+from jaxserve.engine_core.sched_output import SchedulerOutput
+from jaxserve.models import AttentionMetadata, LlamaForCausalLM
+from jaxserve.worker.buckets import pad_to_bucket, request_buckets, token_buckets
+from jaxserve.worker.input_batch import InputBatch, StepInputs
+from jaxserve.worker.sampler import SamplingMetadata, SamplerOutput, sample
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    prompt_mask: jax.Array  # bool[S, V]
+    output_counts: jax.Array  # i32[S, V]
+
+
+class StepHandle:
+    """A dispatched step; `result()` waits for its tokens (the only device sync)."""
+
+    def __init__(self, runner: "ModelRunner", req_ids: list[str], samples: np.ndarray,
+                 out: SamplerOutput | None, num_logprobs: np.ndarray) -> None:
+        self._runner, self._req_ids, self._samples = runner, req_ids, samples
+        self._out, self._num_logprobs = out, num_logprobs
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            self._result = self._runner._to_output(
+                self._req_ids, self._samples, self._out, self._num_logprobs
+            )
+        return self._result
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        params: Any,
+        kv_cache: jax.Array,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.kv_cache = kv_cache
+        self.max_num_seqs = S = max_num_seqs
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.request_buckets = request_buckets(max_num_seqs)
+        V = model.cfg.vocab_size
+        self.batch = InputBatch(S, max_model_len, block_size, V)
+        self.seed = seed
+        self._num_requests_seen = 0
+        self.last_sampled = jnp.zeros((S,), jnp.int32)
+        self.penalties = PenaltyState(jnp.zeros((S, V), bool), jnp.zeros((S, V), jnp.int32))
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._sample = jax.jit(self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4))
+        self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
+
+    # ---- compiled programs -------------------------------------------------------------
+
+    def _forward_impl(self, params, kv_cache, last_sampled, inp: StepInputs):
+        # Tokens sampled by the previous step have not reached the host: read them here.
+        input_ids = jnp.where(
+            inp.prev_slot >= 0, last_sampled[jnp.maximum(inp.prev_slot, 0)], inp.input_ids
+        )
+        md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
+        hidden, kv_cache = self.model.apply(params, input_ids, inp.positions, kv_cache, md)
+        return kv_cache, hidden[inp.logits_indices]
+
+    def _sample_impl(self, num_rows: int, params, hidden, last_sampled, penalties: PenaltyState,
+                     slots, real, md: SamplingMetadata):
+        logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
+        rows = jnp.minimum(slots[:num_rows], self.max_num_seqs - 1)
+        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md)
+        # Padding rows carry slot S (out of range): mode="drop" discards their writes.
+        last_sampled = last_sampled.at[slots[:num_rows]].set(out.sampled, mode="drop")
+        counted = jnp.where(real[:num_rows], slots[:num_rows], self.max_num_seqs)
+        counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
+        return last_sampled, PenaltyState(penalties.prompt_mask, counts), out
+
+    def _admit_impl(self, penalties: PenaltyState, slot, prompt_ids, output_ids):
+        """Reset a slot's penalty rows to its prompt (and outputs, when resumed).
+
+        Both id arrays are padded with `vocab_size`, which `mode="drop"` discards.
+        """
+        V = penalties.prompt_mask.shape[1]
+        mask = jnp.zeros((V,), bool).at[prompt_ids].set(True, mode="drop")
+        counts = jnp.zeros((V,), jnp.int32).at[output_ids].add(1, mode="drop")
+        return PenaltyState(
+            penalties.prompt_mask.at[slot].set(mask),
+            penalties.output_counts.at[slot].set(counts),
+        )
+
+    # ---- per step ----------------------------------------------------------------------
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Update the batch from `so`, dispatch the step and return without waiting."""
+        self._update_batch(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        T = pad_to_bucket(int(num_sched.sum()), self.token_buckets)
+        inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
+        R = pad_to_bucket(len(req_ids), self.request_buckets)
+        md = self._sampling_metadata(inp, slots, num_sched, R)
+        real = np.zeros(self.max_num_seqs, bool)
+        real[: len(req_ids)] = samples
+        self.kv_cache, hidden = self._forward(self.params, self.kv_cache, self.last_sampled, inp)
+        self.last_sampled, self.penalties, out = self._sample(
+            R, self.params, hidden, self.last_sampled, self.penalties, inp.sample_slots, real, md
+        )
+        return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy())
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.batch.remove_request(req_id)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            slot = self.batch.req_id_to_slot[req_id]
+            if new_blocks:
+                self.batch.append_blocks(slot, new_blocks)
+            self.batch.num_computed_tokens[slot] = computed
+        for new in so.scheduled_new_reqs:
+            p = new.sampling_params
+            seed = p.seed if p.seed is not None else hash((self.seed, new.req_id)) & 0xFFFFFFFF
+            token_ids = [*new.prompt_token_ids, *new.output_token_ids]
+            slot = self.batch.add_request(
+                new.req_id, token_ids, p, new.block_ids, new.num_computed_tokens, seed
+            )
+            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids)
+
+    def _admit_slot(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
+        L, V = self.batch.max_model_len, self.model.cfg.vocab_size
+        prompt_ids = np.full(L, V, np.int32)
+        prompt_ids[: len(prompt)] = prompt
+        output_ids = np.full(L, V, np.int32)
+        output_ids[: len(outputs)] = outputs
+        self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids)
+
+    def _sampling_metadata(self, inp: StepInputs, slots: np.ndarray, num_sched: np.ndarray, R: int) -> SamplingMetadata:
+        b = self.batch
+        n = len(slots)
+
+        def rows(a: np.ndarray, fill: Any) -> np.ndarray:
+            out = np.full(R, fill, a.dtype)
+            out[:n] = a[slots]
+            return out
+
+        # The sampled token's index in its sequence = the context length after this step.
+        positions = np.zeros(R, np.int32)
+        positions[:n] = inp.kv_lens[:n]
+        return SamplingMetadata(
+            temperature=rows(b.temperature, 0.0),
+            top_k=rows(b.top_k, 0),
+            top_p=rows(b.top_p, 1.0),
+            min_p=rows(b.min_p, 0.0),
+            repetition_penalty=rows(b.repetition_penalty, 1.0),
+            frequency_penalty=rows(b.frequency_penalty, 0.0),
+            presence_penalty=rows(b.presence_penalty, 0.0),
+            seeds=rows(b.seeds, 0),
+            positions=positions,
+        )
+
+    def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
+                   num_logprobs: np.ndarray) -> ModelRunnerOutput:
+        n = len(req_ids)
+        if out is None:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        tokens = np.asarray(out.sampled)[:n].tolist()
+        sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
+        logprobs = None
+        if (num_logprobs >= 0).any():
+            ids = np.asarray(out.logprob_token_ids)[:n]
+            lps = np.asarray(out.logprobs)[:n]
+            ranks = np.asarray(out.sampled_ranks)[:n]
+            k = num_logprobs.tolist()
+            logprobs = LogprobsLists(
+                token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
+                logprobs=[lps[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
+                sampled_token_ranks=ranks.tolist(),
+            )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+        )
+
+    # ---- warm-up -----------------------------------------------------------------------
+
+    def warm_up(self) -> float:
+        """Compile every token and request bucket now, so nothing compiles while serving.
+
+        Runs each program once on empty inputs (no sequences: attention loops zero
+        times, writes land in the null page, samples land on dropped slots).
+        Returns the seconds spent.
+        """
+        t0 = time.perf_counter()
+        S = self.max_num_seqs
+        total = len(self.token_buckets) + len(self.request_buckets) + 1
+        with tqdm(total=total, desc="Compiling buckets", unit="program") as bar:
+            hidden = None
+            for T in self.token_buckets:
+                inp, _, _ = self.batch.prepare([], np.zeros(0, np.int32), T)
+                self.kv_cache, hidden = self._forward(self.params, self.kv_cache, self.last_sampled, inp)
+                bar.update()
+            for R in self.request_buckets:
+                md = self._sampling_metadata(inp, np.zeros(0, np.int32), np.zeros(0, np.int32), R)
+                self.last_sampled, self.penalties, out = self._sample(
+                    R, self.params, hidden, self.last_sampled, self.penalties,
+                    np.full(S, S, np.int32), np.zeros(S, bool), md,
+                )
+                bar.update()
+            self._admit_slot(0, [], [])
+            bar.update()
+            jax.block_until_ready((self.kv_cache, self.last_sampled, self.penalties))
+        return time.perf_counter() - t0

@@ -1,0 +1,132 @@
+"""On-device sampler: logits -> one token per request, in vLLM's order.
+
+    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
+                └─▶ penalties (repetition over prompt+output, frequency/presence
+                    over output) ─▶ greedy argmax (temperature 0)
+                    ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
+
+Every parameter is a per-row array, so one compiled program serves any mix of
+requests. Random rows draw from `fold_in(key(seed), position)`, where position
+is the index of the token being sampled in its sequence: the same seed gives
+the same tokens whatever else is in the batch and however the steps fall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+MAX_LOGPROBS = 20  # top-N returned at most (SamplingParams caps logprobs at this)
+_NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters, all of shape [R]."""
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; 0 = off
+    top_p: jax.Array  # f32; 1 = off
+    min_p: jax.Array  # f32; 0 = off
+    repetition_penalty: jax.Array  # f32; 1 = off
+    frequency_penalty: jax.Array  # f32; 0 = off
+    presence_penalty: jax.Array  # f32; 0 = off
+    seeds: jax.Array  # u32
+    positions: jax.Array  # i32; index of the sampled token in its sequence
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled: jax.Array  # i32[R]
+    logprob_token_ids: jax.Array  # i32[R, 1 + MAX_LOGPROBS]: sampled, then top-N
+    logprobs: jax.Array  # f32[R, 1 + MAX_LOGPROBS]
+    sampled_ranks: jax.Array  # i32[R]; 1 = most likely
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[R, V]
+    prompt_mask: jax.Array,  # bool[R, V]: token occurs in the prompt
+    output_counts: jax.Array,  # i32[R, V]: occurrences in the output so far
+    md: SamplingMetadata,
+) -> jax.Array:
+    seen = prompt_mask | (output_counts > 0)
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens whose probability is below min_p times the most likely one's."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(probs < threshold, _NEG_INF, logits)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep the top_k most likely tokens, then the smallest set reaching top_p."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    use_k = (top_k > 0)[:, None]
+    kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+    logits = jnp.where(use_k & (logits < kth), _NEG_INF, logits)
+    sorted_desc = jnp.where(use_k & (jnp.arange(vocab)[None, :] >= top_k[:, None]), _NEG_INF, sorted_desc)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # Token i is kept while the mass before it is below top_p (the first always is).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < threshold, _NEG_INF, logits)
+
+
+def random_sample(logits: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Gumbel-max sampling with one key per row."""
+
+    def one(logits_row: jax.Array, seed: jax.Array, pos: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), pos)
+        return jax.random.categorical(key, logits_row)
+
+    return jax.vmap(one)(logits, seeds, positions).astype(jnp.int32)
+
+
+def sample(
+    logits: jax.Array,  # f32[R, V]
+    prompt_mask: jax.Array,  # bool[R, V]
+    output_counts: jax.Array,  # i32[R, V]
+    md: SamplingMetadata,
+) -> SamplerOutput:
+    """Sample one token per row and report logprobs (of the raw model distribution)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = apply_penalties(logits, prompt_mask, output_counts, md)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = md.temperature <= 0.0
+
+    def random_rows(logits: jax.Array) -> jax.Array:
+        logits = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+        logits = jax.lax.cond(
+            jnp.any(md.min_p > 0), apply_min_p, lambda x, _: x, logits, md.min_p
+        )
+        logits = jax.lax.cond(
+            jnp.any((md.top_k > 0) | (md.top_p < 1.0)),
+            apply_top_k_top_p,
+            lambda x, *_: x,
+            logits, md.top_k, md.top_p,
+        )
+        return random_sample(logits, md.seeds, md.positions)
+
+    # Skip the sort and the random draws entirely when every row is greedy.
+    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy, random_rows, logits)
+    sampled = jnp.where(is_greedy, greedy, sampled)
+
+    top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+    sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)
+    ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)
+    return SamplerOutput(
+        sampled=sampled,
+        logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids.astype(jnp.int32)], axis=-1),
+        logprobs=jnp.concatenate([sampled_lp, top_vals], axis=-1),
+        sampled_ranks=ranks,
+    )

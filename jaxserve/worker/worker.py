@@ -1,0 +1,146 @@
+"""Worker: owns the mesh, the weights, the KV cache and the ModelRunner.
+
+Start-up, in order:  load weights -> size the KV cache (num_blocks) ->
+allocate it -> compile every bucket. `num_blocks` goes to the engine core as
+an input; no config is mutated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.sched_output import SchedulerOutput
+from jaxserve.model_files import ModelFiles, resolve_model
+from jaxserve.models import ArchConfig, LlamaForCausalLM, kv_cache_shape
+from jaxserve.models.loaders import load_checkpoint
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
+
+# With no device memory to profile on the CPU, the KV cache gets this budget
+# unless --kv-cache-memory-bytes says otherwise.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def resolve_dtype(dtype: str, platform: str) -> Any:
+    """`auto` is bfloat16 on GPU/TPU and float32 on the CPU (bf16 is 3-6x slower there)."""
+    if dtype == "auto":
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's context length "
+            f"{arch.max_position_embeddings}"
+        )
+    return requested
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None) -> None:
+        self.config = config
+        self.model_files = model_files or resolve_model(config.model_config.model)
+        self.mesh = make_mesh(config.parallel_config)
+        self.platform = self.mesh.devices.flat[0].platform
+        self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
+        self.runner: ModelRunner | None = None
+        self.timings: dict[str, float] = {}
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        self.arch, host_params = load_checkpoint(self.model_files, self.dtype)
+        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.params = jax.device_put(host_params, replicated)
+        self.model = LlamaForCausalLM(self.arch, self.dtype, self.config.attention_backend)
+        self.timings["load_s"] = time.perf_counter() - t0
+
+    def page_bytes(self) -> int:
+        """Bytes of one KV page across all layers."""
+        return self.arch.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize) * self.config.cache_config.block_size
+
+    def determine_num_blocks(self) -> int:
+        """How many KV pages fit the memory budget (page 0 included, as the null page)."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            num_blocks = self._available_kv_bytes() // self.page_bytes()
+        bs = cc.block_size
+        need = -(-self.max_model_len // bs) + 1
+        if num_blocks < need:
+            fits = max(num_blocks - 1, 0) * bs
+            raise ValueError(
+                f"the KV cache has room for {num_blocks} pages of {bs} tokens, but one request of "
+                f"max_model_len={self.max_model_len} needs {need}: the largest max_model_len that "
+                f"fits is {fits}; lower --max-model-len or raise the KV cache memory"
+            )
+        return int(num_blocks)
+
+    def _available_kv_bytes(self) -> int:
+        cc = self.config.cache_config
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes
+        stats = self.mesh.devices.flat[0].memory_stats() if self.platform != "cpu" else None
+        if not stats:
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        # Weights are resident already; keep a margin for the largest step's activations
+        # (hidden states and logits of the largest buckets, a few times over).
+        sc = self.config.scheduler_config
+        itemsize = jnp.dtype(self.dtype).itemsize
+        activations = 8 * sc.max_num_batched_tokens * (
+            self.arch.hidden_size + self.arch.intermediate_size + self.arch.q_size
+        ) * itemsize + 4 * sc.max_num_seqs * self.arch.vocab_size * 4
+        budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
+        return max(budget - int(stats["bytes_in_use"]) - activations, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        shape = kv_cache_shape(self.arch, num_blocks, cc.block_size)
+        sharding = NamedSharding(self.mesh, PartitionSpec())
+        kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(
+            self.model, self.params, kv_cache,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=cc.block_size,
+            seed=self.config.model_config.seed,
+        )
+
+    def compile_or_warm_up(self) -> None:
+        if self.config.enforce_eager:
+            return
+        assert self.runner is not None
+        self.timings["compile_s"] = self.runner.warm_up()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        assert self.runner is not None
+        return self.runner.execute_model_async(scheduler_output)
+
+
+def eos_token_id(arch: ArchConfig, tokenizer: Any) -> int | None:
+    """The id that ends generation: the tokenizer's EOS, else the model config's."""
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return int(tokenizer.eos_token_id)
+    eos = arch.eos_token_id
+    return eos[0] if isinstance(eos, tuple) else eos

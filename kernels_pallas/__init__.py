@@ -1,0 +1,65 @@
+"""Pallas kernels for jaxserve: ragged paged attention and the paged KV-cache write.
+
+Imports JAX only, never `jaxserve`. Pick a variant by name:
+
+    out = ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                 sm_scale=head_dim ** -0.5, backend="gpu")
+    kv_pages = update_kv_cache(kv_pages, k, v, slot_mapping, backend="gpu")
+
+Variants live one file each in `kernels_pallas/ragged_paged_attention/` (see registry.py).
+NOTE: `kernels_pallas.ragged_paged_attention` is this function, not the subpackage; import
+variant modules with `from kernels_pallas.ragged_paged_attention import reference`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
+from kernels_pallas import ragged_paged_attention as _variants  # registers every variant
+
+__all__ = [
+    "Backend",
+    "get_backend",
+    "list_backends",
+    "ragged_paged_attention",
+    "register_backend",
+    "update_kv_cache",
+]
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32[max_num_seqs]
+    page_indices: jax.Array,  # int32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    backend: str = "reference",
+    interpret: bool = False,
+    **tuning,
+) -> jax.Array:
+    """Attention of a mixed prefill/decode batch over the paged cache, by variant name.
+
+    See `kernels_pallas/ragged_paged_attention/reference.py` for the layout; `tuning` goes to
+    the variant (block sizes, `sliding_window`, `soft_cap`, ...).
+    """
+    return get_backend(backend).attention(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, interpret=interpret, **tuning,
+    )
+
+
+def update_kv_cache(
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # int32[num_tokens], flat slot = page * page_size + offset
+    *,
+    backend: str = "reference",
+    interpret: bool = False,
+) -> jax.Array:
+    """Write this step's keys/values at their slots; in place when `kv_pages` is donated."""
+    return get_backend(backend).update_kv_cache(kv_pages, k, v, slot_mapping, interpret=interpret)

@@ -1,0 +1,249 @@
+"""Ragged paged attention for NVIDIA GPUs: a Pallas kernel with Triton lowering.
+
+JAX ships a GPU paged-attention kernel for decode only (one query per sequence); this one takes
+a mixed batch, prefill chunks and decodes in one launch, with the reference's signature.
+
+Work split. Each sequence's query tokens are cut into blocks of `block_q` tokens; a small XLA
+prologue lists them (at most `num_tokens // block_q + min(max_num_seqs, num_tokens)` blocks, a
+static bound) and the grid is `(num_kv_heads, work items)`::
+
+    tokens   | s0 s0 s0 s0 s0 | s1 | s2 | s3 s3 s3 |        block_q = 2
+    work     | w0   | w1  |w2 | w3 | w4 | w5   |w6 | w7 (empty) ...
+
+GQA without repeating K/V. Program (h, w) loads kv head h's keys and values once per step and
+multiplies them against every q head of the group at once: q is laid out in XLA as
+`[num_kv_heads, tokens * group_pad, head_dim]`, so a block is one `[block_q * group_pad, D]`
+tile (rows t0g0 t0g1 ... t1g0 ...); group_pad is the group size rounded up to a power of two
+because Triton tiles must be powers of two (padded rows are masked and never stored).
+
+Each step covers `pages_per_block` pages: their slots are looked up in the page table and
+gathered straight from the interleaved cache (`kv_pages` viewed as `[num_pages * page_size,
+2 * num_kv_heads, D]`, key row 2h, value row 2h+1), so nothing is copied out of the cache. The
+loop stops at the block's last causal position (prefill blocks skip the future) and keeps a
+float32 running max / sum / accumulator (online softmax).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
+from kernels_pallas.registry import register_backend
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def work_items(
+    cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *, num_tokens: int,
+    block_q: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """List the (sequence, q block) pairs: per item its q start, q end, kv_len and seq id.
+
+    Items past the real ones have q_start == q_end == 0: no rows, no pages, nothing stored.
+    """
+    max_num_seqs = kv_lens.shape[0]
+    n = num_seqs[0]
+    idx = jnp.arange(max_num_seqs + 1)
+    cu = jnp.where(idx <= n, cu_q_lens, cu_q_lens[n])  # junk past num_seqs -> sorted
+    q_lens = cu[1:] - cu[:-1]
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    num_items = num_tokens // block_q + min(max_num_seqs, num_tokens)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    real = w < ends[-1]
+    q_start = cu[seq] + (w - (ends[seq] - blocks[seq])) * block_q
+    q_start = jnp.where(real, q_start, 0).astype(jnp.int32)
+    q_end = jnp.where(real, cu[seq + 1], 0).astype(jnp.int32)
+    return seq, q_start, q_end, kv_lens[seq].astype(jnp.int32)
+
+
+def _kernel(
+    # scalars, one per work item
+    seq_ref, q_start_ref, q_end_ref, kv_len_ref,  # int32[num_items]
+    page_indices_ref,  # int32[max_num_seqs, pages_per_seq]
+    q_ref,  # [num_kv_heads, rows, D], rows = (num_tokens + block_q) * group_pad
+    kv_ref,  # [num_pages * page_size, 2 * num_kv_heads, D]
+    o_ref,  # [num_kv_heads, rows, D]
+    *, sm_scale: float, group: int, group_pad: int, block_q: int, page_size: int,
+    pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
+    mask_value: float, precision,
+):
+    h, w = pl.program_id(0), pl.program_id(1)
+    seq, q_start, q_end, kv_len = seq_ref[w], q_start_ref[w], q_end_ref[w], kv_len_ref[w]
+    pages_per_seq = page_indices_ref.shape[1]
+    rows = block_q * group_pad
+    block_k = pages_per_block * page_size
+    head_dim = q_ref.shape[-1]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    t = q_start + r // group_pad
+    row_valid = (t < q_end) & (r % group_pad < group)
+    pos = t + (kv_len - q_end)  # query position: last token of the seq sits at kv_len - 1
+    # Keys needed by this block: up to the last real token's position (causal skip).
+    last_t = jnp.minimum(q_start + block_q, q_end) - 1
+    num_keys = jnp.where(q_start < q_end, last_t + (kv_len - q_end) + 1, 0)
+    if sliding_window is not None:
+        first_key = jnp.maximum(q_start + (kv_len - q_end) - sliding_window + 1, 0)
+        start = first_key // block_k
+    else:
+        start = 0
+
+    q = q_ref[h, pl.ds(q_start * group_pad, rows), :]  # [rows, D], all q heads of group h
+
+    def body(i, carry):
+        acc, m, l = carry
+        kpos = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        in_ctx = kpos < kv_len
+        # Page id of every key slot; clamped + nulled so junk table entries stay in bounds.
+        page = page_indices_ref[seq, jnp.minimum(kpos // page_size, pages_per_seq - 1)]
+        slot = jnp.where(in_ctx, page, 0) * page_size + kpos % page_size
+        k = kv_ref[slot, 2 * h, :]  # [block_k, D]
+        v = kv_ref[slot, 2 * h + 1, :]
+        # Slots past kv_len may hold NaN, and 0 * NaN is NaN in the second dot.
+        v = jnp.where(in_ctx[:, None], v, jnp.zeros_like(v))
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_k] f32
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        visible = (kpos[None, :] <= pos[:, None]) & in_ctx[None, :]
+        if sliding_window is not None:
+            visible &= kpos[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(visible, s, mask_value)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(axis=1)
+        pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return alpha[:, None] * acc + pv, m_new, l
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), mask_value, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, _, l = lax.fori_loop(start, pl.cdiv(num_keys, block_k), body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    # Rows of other sequences share this window of the output: store only our own.
+    plgpu.store(o_ref.at[h, pl.ds(q_start * group_pad, rows), :], out.astype(o_ref.dtype),
+                mask=row_valid[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "soft_cap", "mask_value", "block_q", "pages_per_block",
+    "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # int32[max_num_seqs]
+    page_indices: jax.Array,  # int32[max_num_seqs, pages_per_seq]
+    cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
+    num_seqs: jax.Array,  # int32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Same contract as the reference. Tuning: `block_q` query tokens per program (default:
+    enough for a 32-row tile), `pages_per_block` pages per step (default: 64 keys),
+    `num_warps` / `num_stages` for Triton. head_dim and page_size must be powers of two."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_slots, _ = kv_pages.shape
+    num_kv_heads = num_kv_slots // 2
+    group = num_q_heads // num_kv_heads
+    for name, size in (("head_dim", head_dim), ("page_size", page_size)):
+        if size & (size - 1):
+            raise ValueError(f"the gpu backend needs a power-of-two {name}, got {size}; "
+                             "use backend='reference'")
+    group_pad = _next_pow2(group)
+    block_q = block_q or max(1, 32 // group_pad)
+    pages_per_block = pages_per_block or max(1, 64 // page_size)
+    if block_q & (block_q - 1) or pages_per_block & (pages_per_block - 1):
+        raise ValueError(f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must "
+                         "be powers of two (Triton tile sizes)")
+
+    seq, q_start, q_end, kv_len = work_items(cu_q_lens, kv_lens, num_seqs,
+                                             num_tokens=num_tokens, block_q=block_q)
+    # [T, H, D] -> [kvh, (T + block_q) * group_pad, D]; the block_q extra tokens keep the last
+    # block's load in bounds. This copies q (small next to the cache), never K/V.
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+    kv_flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)  # a bitcast
+
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, group=group, group_pad=group_pad, block_q=block_q,
+        page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
+        soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, seq.shape[0]),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(seq, q_start, q_end, kv_len, page_indices, qg, kv_flat)
+
+    out = out.reshape(num_kv_heads, num_tokens + block_q, group_pad, head_dim)
+    out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(q.shape)
+    # Padding rows were never stored (their memory is undefined): zero them.
+    real = jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]]
+    return jnp.where(real[:, None, None], out, jnp.zeros_like(out))
+
+
+def _kv_write_kernel(slot_ref, k_ref, v_ref, kv_in_ref, kv_ref, *, num_kv_heads: int):
+    """Program t writes token t's keys and values into its slot (one row of the flat cache)."""
+    del kv_in_ref  # the same buffer as kv_ref (aliased)
+    t = pl.program_id(0)
+    slot = slot_ref[t]
+    for h in range(num_kv_heads):  # static and small; each store is one contiguous row
+        kv_ref[slot, 2 * h, :] = k_ref[t, h, :].astype(kv_ref.dtype)
+        kv_ref[slot, 2 * h + 1, :] = v_ref[t, h, :].astype(kv_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def update_kv_cache(
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # int32[num_tokens]
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """KV write as a Pallas kernel aliasing the cache (input_output_aliases): in place when the
+    caller donates `kv_pages`. Padding tokens racing on null-page slots are harmless."""
+    num_pages, page_size, num_kv_slots, head_dim = kv_pages.shape
+    num_tokens = k.shape[0]
+    flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)
+    out = pl.pallas_call(
+        functools.partial(_kv_write_kernel, num_kv_heads=num_kv_slots // 2),
+        grid=(num_tokens,),
+        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="update_kv_cache_gpu",
+    )(slot_mapping.astype(jnp.int32), k, v, flat)
+    return out.reshape(kv_pages.shape)
+
+
+register_backend(
+    "gpu",
+    ragged_paged_attention,
+    update_kv_cache=update_kv_cache,
+    platforms=("cuda",),
+    description="Pallas/Triton: (kv head, q block) grid, GQA group as one tile, online softmax",
+    test_tuning=({}, {"block_q": 2, "pages_per_block": 1}),
+)

@@ -1,0 +1,158 @@
+"""A host-only stand-in for the worker, for the engine-core tests.
+
+It consumes SchedulerOutput exactly as the real worker must (see
+sched_output.py): it keeps its own copy of each request's tokens and block
+table, "computes" KV by writing token ids into a fake paged cache, and reads
+every page back as attention would. So it checks the contract as well as
+feeding the scheduler: a page handed to two requests, a stale prefix-cache
+hit, a diff that disagrees with the worker's copy, or a scheduled position
+without an input token all fail an assertion here.
+
+Sampled tokens are a pure function of (req_id, position), so a run gives the
+same tokens with sync or async scheduling and with or without preemption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
+from jaxserve.engine_core.sched_output import SchedulerOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _ReqState:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+def fake_token(req_id: str, position: int, vocab_size: int, eos_token_id: int | None,
+               eos_prob: float) -> int:
+    """Deterministic 'sampled' token for position `position` of `req_id`."""
+    digest = hashlib.blake2b(f"{req_id}:{position}".encode(), digest_size=8).digest()
+    x = int.from_bytes(digest, "little")
+    if eos_token_id is not None and (x & 0xFFFF) / 0x10000 < eos_prob:
+        return eos_token_id
+    return (x >> 16) % vocab_size
+
+
+class FakeWorker:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        eos_token_id: int | None = None,
+        eos_prob: float = 0.0,
+        check_kv: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_prob = eos_prob
+        self.check_kv = check_kv
+        self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.reqs: dict[str, _ReqState] = {}
+        self.steps: list[SchedulerOutput] = []
+        self.num_executed = 0
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(so)
+        self.num_executed += 1
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+        for nr in so.scheduled_new_reqs:
+            assert nr.req_id not in self.reqs, f"{nr.req_id} sent twice as new"
+            self.reqs[nr.req_id] = _ReqState(
+                list(nr.prompt_token_ids) + list(nr.output_token_ids),
+                list(nr.block_ids),
+                nr.num_computed_tokens,
+                nr.sampling_params,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            st = self.reqs[req_id]
+            assert st.num_computed_tokens == num_computed, (req_id, st.num_computed_tokens, num_computed)
+            st.block_ids.extend(new_ids)
+        assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
+            cached.req_ids
+        )
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+
+        bs = self.block_size
+        # Write the KV of every scheduled token first (as each layer does) ...
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.reqs[req_id]
+            start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            assert n > 0
+            assert end <= len(st.tokens), f"{req_id}: position {end - 1} has no input token"
+            assert -(-end // bs) <= len(st.block_ids), f"{req_id}: no page for position {end - 1}"
+            assert 0 not in st.block_ids, "the null page was handed out"
+            if self.check_kv:
+                pos = np.arange(start, end)
+                pages = np.asarray(st.block_ids)[pos // bs]
+                self.kv[pages, pos % bs] = st.tokens[start:end]
+        # ... then read all context back, as attention does.
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self.reqs[req_id]
+            end = st.num_computed_tokens + n
+            if self.check_kv:
+                pos = np.arange(end)
+                got = self.kv[np.asarray(st.block_ids)[pos // bs], pos % bs]
+                bad = np.nonzero(got != np.asarray(st.tokens[:end]))[0]
+                assert bad.size == 0, f"{req_id}: stale KV at positions {bad[:8]}"
+            st.num_computed_tokens = end
+            req_ids.append(req_id)
+            if end == len(st.tokens):
+                tok = fake_token(req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob)
+                st.tokens.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        logprobs = LogprobsLists(
+            token_ids=[[s[0] if s else 0, 1, 2] for s in sampled],
+            logprobs=[[-0.5, -0.1, -2.0] for _ in sampled],
+            sampled_token_ranks=[2 for _ in sampled],
+        )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+        )
+
+
+class FakeHandle:
+    def __init__(self, worker: FakeWorker, so: SchedulerOutput) -> None:
+        self._out = worker.execute_model(so)
+        self.result_called = False
+
+    def result(self) -> ModelRunnerOutput:
+        self.result_called = True
+        return self._out
+
+
+class FakeAsyncWorker(FakeWorker):
+    """Executes at dispatch (device steps run in order) and records how many
+    steps were in flight when each result was awaited."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.handles: list[FakeHandle] = []
+        self.max_in_flight = 0
+
+    def execute_model_async(self, so: SchedulerOutput) -> FakeHandle:
+        handle = FakeHandle(self, so)
+        self.handles.append(handle)
+        in_flight = sum(not h.result_called for h in self.handles)
+        self.max_in_flight = max(self.max_in_flight, in_flight)
+        return handle

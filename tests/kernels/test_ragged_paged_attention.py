@@ -1,0 +1,121 @@
+"""Every registered backend against the jax.numpy reference, in interpret mode on the CPU.
+
+The axes are covered as a rotation, not a full cross product (interpret mode is slow): each
+batch shape runs under two configurations, and the six configurations together hold every
+GQA ratio (1, 3, 8), head_dim (64, 128), page size (16, 32) and dtype (f32, bf16), so every
+backend sees every value of every axis, and every batch shape in both dtypes. The second
+configuration of each shape also uses the backend's small test tuning (several q blocks and
+kv blocks even for tiny batches). Unused cache slots are NaN (see batches.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kernels_pallas
+from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention as reference
+
+from .batches import make_batch, tolerance
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _cases(p: int) -> dict[str, list[tuple[int, int]]]:
+    """Batch shapes as (q_len, kv_len) per sequence, relative to the page size p."""
+    return {
+        "decode_only": [(1, 2 * p + 3), (1, 1), (1, p), (1, 3 * p - 1)],
+        "prefill_only": [(p + 5, p + 5), (7, 7), (2 * p, 2 * p)],
+        "mixed": [(1, 2 * p + 1), (p - 4, p - 4), (1, 5), (9, 9)],
+        "chunked_prefill": [(10, 2 * p + 13), (p, 2 * p), (5, 3 * p + 1)],
+        "one_token": [(1, 1)],
+        "page_boundaries": [(p, p), (1, p + 1), (p + 1, 2 * p), (1, 2 * p)],
+    }
+
+
+CASES = list(_cases(16))
+# (num_q_heads, num_kv_heads), head_dim, page_size, dtype; in pairs (f32, bf16).
+CONFIGS = [
+    ((2, 2), 64, 16, np.float32), ((6, 2), 128, 32, BF16),
+    ((8, 1), 128, 16, np.float32), ((2, 2), 128, 32, BF16),
+    ((6, 2), 64, 32, np.float32), ((8, 1), 64, 16, BF16),
+]
+
+
+def _config_id(config) -> str:
+    (hq, hkv), d, p, dtype = config
+    return f"gqa{hq // hkv}-d{d}-p{p}-{np.dtype(dtype).name}"
+
+
+PARAMS = [
+    pytest.param(backend, case, CONFIGS[(2 * i + k) % 6], k,
+                 id=f"{backend}-{case}-{_config_id(CONFIGS[(2 * i + k) % 6])}")
+    for backend in kernels_pallas.list_backends()
+    for i, case in enumerate(CASES)
+    for k in range(2)
+]
+
+
+@functools.cache
+def _reference_jit():
+    return jax.jit(reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+
+def _run(backend_name: str, batch, tuning_index: int, **options) -> np.ndarray:
+    backend = kernels_pallas.get_backend(backend_name)
+    tuning = backend.test_tuning[tuning_index % len(backend.test_tuning)]
+    out = kernels_pallas.ragged_paged_attention(
+        *batch.args, backend=backend_name, interpret=True, **options, **tuning)
+    return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("backend,case,config,tuning_index", PARAMS)
+def test_matches_reference(backend: str, case: str, config, tuning_index: int) -> None:
+    (num_q_heads, num_kv_heads), head_dim, page_size, dtype = config
+    batch = make_batch(_cases(page_size)[case], num_q_heads=num_q_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                       dtype=dtype, seed=tuning_index)
+    scale = head_dim ** -0.5
+    got = _run(backend, batch, tuning_index, sm_scale=scale)
+    want = np.asarray(_reference_jit()(*batch.args, sm_scale=scale), np.float32)
+    n = batch.num_real_tokens  # padding rows are unspecified: ignored
+    assert np.isfinite(got[:n]).all(), "NaN/inf in real rows: a read past kv_len or a bad page"
+    np.testing.assert_allclose(got[:n], want[:n], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", kernels_pallas.list_backends())
+def test_sliding_window_and_soft_cap(backend: str) -> None:
+    batch = make_batch(_cases(16)["chunked_prefill"] + [(1, 40)], num_q_heads=4,
+                       num_kv_heads=2, head_dim=64, page_size=16, seed=4)
+    options = dict(sm_scale=0.125, sliding_window=20, soft_cap=3.0)
+    got = _run(backend, batch, 1, **options)
+    want = np.asarray(_reference_jit()(*batch.args, **options))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", kernels_pallas.list_backends())
+def test_update_kv_cache(backend: str, dtype) -> None:
+    """Every backend's KV write equals the XLA scatter; padding duplicates on page 0 are OK."""
+    num_pages, page_size, num_kv_heads, head_dim = 5, 16, 2, 64
+    rng = np.random.default_rng(1)
+    cache = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(dtype)
+    num_tokens = 19
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(dtype)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(dtype)
+    real = rng.choice(np.arange(page_size, num_pages * page_size), 15, replace=False)
+    slots = np.concatenate([real, [0, 0, 3, 0]]).astype(np.int32)  # 4 padding tokens
+    want = np.asarray(cache).copy()
+    for t, slot in enumerate(real):
+        want[slot // page_size, slot % page_size, 0::2] = k[t]
+        want[slot // page_size, slot % page_size, 1::2] = v[t]
+    write = jax.jit(functools.partial(kernels_pallas.update_kv_cache, backend=backend,
+                                      interpret=True), donate_argnums=0)
+    got = np.asarray(write(jnp.asarray(cache), k, v, slots))
+    np.testing.assert_array_equal(got[1:], want[1:])  # page 0 (null) holds garbage

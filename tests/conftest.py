@@ -20,3 +20,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the default model's GGUF (float32): the reference."""
+    import torch
+    import transformers
+
+    from jaxserve.model_files import default_model_path
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()

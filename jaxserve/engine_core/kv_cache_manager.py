@@ -97,6 +97,18 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         req_id = request.req_id
         req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the request's pages already hold
+            # the new tokens. Same result as the general path below.
+            end = request.num_computed_tokens + num_new_tokens
+            if end + num_lookahead_tokens <= len(req_blocks) * self.block_size:
+                if self.enable_caching:
+                    num_tokens = request.num_tokens
+                    if (end if end < num_tokens else num_tokens) // self.block_size > (
+                        self.num_cached_block[req_id]
+                    ):
+                        self.cache_blocks(request, min(end, num_tokens))
+                return []
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_block[req_id] = 0

@@ -126,15 +126,16 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens and hash any page they fill."""
+        all_token_ids = self._all_token_ids
         if isinstance(token_ids, int):
             self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            all_token_ids.append(token_ids)
         else:
             self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            all_token_ids.extend(token_ids)
         if self.first_token_time is None:
             self.record_event(EngineCoreEventType.FIRST_TOKEN)
-        if len(self._all_token_ids) >= self._next_hash_at:
+        if len(all_token_ids) >= self._next_hash_at:
             self._update_block_hashes()
 
     # --- prefix caching -----------------------------------------------------
@@ -172,6 +173,10 @@ class Request:
         elif event_type is EngineCoreEventType.FINISHED:
             self.finished_time = ts
         self._events.append(EngineCoreEvent(event_type, ts))
+
+    @property
+    def has_events(self) -> bool:
+        return bool(self._events)
 
     def take_events(self) -> list[EngineCoreEvent] | None:
         """Events since the last call, or None (the common case, no allocation)."""

@@ -166,11 +166,11 @@ class Scheduler:
                 req_index += 1
                 continue
             num_computed = request.num_computed_tokens
-            num_new_tokens = min(
-                request.num_tokens + placeholders - num_computed,
-                token_budget,
-                max_model_len - 1 - num_computed,
-            )
+            num_new_tokens = request.num_tokens + placeholders - num_computed
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens > max_model_len - 1 - num_computed:
+                num_new_tokens = max_model_len - 1 - num_computed  # the last position's token is never input
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -206,6 +206,8 @@ class Scheduler:
                 token_budget, now, scheduled_new_reqs, num_scheduled_tokens
             )
 
+        # NOTE: the request data is built before _update_after_schedule
+        # advances num_computed_tokens: the worker needs the old values.
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=self._make_new_request_data(scheduled_new_reqs),
             scheduled_cached_reqs=self._make_cached_request_data(
@@ -307,12 +309,15 @@ class Scheduler:
     def _make_cached_request_data(
         requests: list[Request], req_to_new_blocks: dict[str, list[KVCacheBlock]]
     ) -> CachedRequestData:
-        req_ids = [r.req_id for r in requests]
-        return CachedRequestData(
-            req_ids=req_ids,
-            new_block_ids=[[b.block_id for b in req_to_new_blocks[i]] for i in req_ids],
-            num_computed_tokens=[r.num_computed_tokens for r in requests],
-        )
+        req_ids = []
+        new_block_ids = []
+        num_computed_tokens = []
+        for r in requests:
+            req_ids.append(r.req_id)
+            new_blocks = req_to_new_blocks[r.req_id]
+            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            num_computed_tokens.append(r.num_computed_tokens)
+        return CachedRequestData(req_ids, new_block_ids, num_computed_tokens)
 
     def _update_after_schedule(self, requests: list[Request], num_scheduled: dict[str, int]) -> None:
         """Advance num_computed_tokens now (vLLM's _update_after_schedule), so
@@ -342,6 +347,7 @@ class Scheduler:
         requests = self.requests
         async_scheduling = self.async_scheduling
         caching = self.kv_cache_manager.enable_caching
+        block_size = self.block_size
         stopped_running: set[Request] = set()
         stopped_waiting: list[Request] = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -357,14 +363,27 @@ class Scheduler:
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
-            new_token_ids, stopped = self._append_and_check_stop(request, new_token_ids)
+            stopped = False
+            for num_new, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(token_id)
+                if self._check_stop(request, token_id):
+                    stopped = True
+                    new_token_ids = new_token_ids[:num_new]
+                    break
             if async_scheduling:
                 request.num_output_placeholders -= len(new_token_ids)
-                if caching and status_before is _RUNNING:
-                    # Pages now full of real tokens whose KV dispatched steps compute.
+                num_tokens = request.num_tokens
+                if (
+                    caching
+                    and status_before is _RUNNING
+                    and num_tokens // block_size != (num_tokens - len(new_token_ids)) // block_size
+                ):
+                    # A page just filled with real tokens whose KV dispatched
+                    # steps compute: register it now, not at the next allocation.
                     self.kv_cache_manager.cache_blocks(
-                        request, min(request.num_computed_tokens, request.num_tokens)
+                        request, min(request.num_computed_tokens, num_tokens)
                     )
+            finish_reason = None
             if stopped:
                 was_running = status_before is _RUNNING
                 if was_running:
@@ -372,18 +391,19 @@ class Scheduler:
                 else:
                     stopped_waiting.append(request)
                 self._free_request(request, was_running)
+                finish_reason = request.get_finished_reason()
             new_logprobs = None
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(index, index + 1)
             outputs.append(
                 EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=new_logprobs,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    events=request.take_events(),
+                    req_id,
+                    new_token_ids,
+                    new_logprobs,
+                    finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    request.take_events() if request.has_events else None,
                 )
             )
         if stopped_running:
@@ -391,16 +411,6 @@ class Scheduler:
         if stopped_waiting:
             self.waiting.remove_requests(stopped_waiting)
         return outputs
-
-    def _append_and_check_stop(
-        self, request: Request, new_token_ids: list[int]
-    ) -> tuple[list[int], bool]:
-        """Append tokens one by one; on a stop, drop the tokens after it."""
-        for num_new, token_id in enumerate(new_token_ids, 1):
-            request.append_output_token_ids(token_id)
-            if self._check_stop(request, token_id):
-                return new_token_ids[:num_new], True
-        return new_token_ids, False
 
     def _check_stop(self, request: Request, last_token_id: int) -> bool:
         """Sets the FINISHED_* status. Order: min_tokens suppresses EOS and

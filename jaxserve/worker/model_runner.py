@@ -73,6 +73,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         block_size: int,
+        replicated: jax.sharding.Sharding,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -85,8 +86,12 @@ class ModelRunner:
         self.batch = InputBatch(S, max_model_len, block_size, V)
         self.seed = seed
         self._num_requests_seen = 0
-        self.last_sampled = jnp.zeros((S,), jnp.int32)
-        self.penalties = PenaltyState(jnp.zeros((S, V), bool), jnp.zeros((S, V), jnp.int32))
+        # Committed to the mesh from the start: warm-up and serving must see the same
+        # argument shardings, or the first real step would compile again.
+        self.last_sampled = jax.device_put(jnp.zeros((S,), jnp.int32), replicated)
+        self.penalties = jax.device_put(
+            PenaltyState(jnp.zeros((S, V), bool), jnp.zeros((S, V), jnp.int32)), replicated
+        )
         self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
         self._sample = jax.jit(self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4))
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))

@@ -23,6 +23,7 @@ from jaxserve.model_files import ModelFiles, resolve_model
 from jaxserve.models import ArchConfig, LlamaForCausalLM, kv_cache_shape
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.parallel.mesh import make_mesh
+from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
 
 class Worker:
     def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None) -> None:
+        enable_compilation_cache()
         self.config = config
         self.model_files = model_files or resolve_model(config.model_config.model)
         self.mesh = make_mesh(config.parallel_config)
@@ -120,6 +122,7 @@ class Worker:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=cc.block_size,
+            replicated=NamedSharding(self.mesh, PartitionSpec()),
             seed=self.config.model_config.seed,
         )
 

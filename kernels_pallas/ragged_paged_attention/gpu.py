@@ -172,6 +172,10 @@ def ragged_paged_attention(
     if block_q & (block_q - 1) or pages_per_block & (pages_per_block - 1):
         raise ValueError(f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must "
                          "be powers of two (Triton tile sizes)")
+    if not interpret and min(block_q * group_pad, pages_per_block * page_size) < 16:
+        # Triton's tensor-core dot needs every matmul dimension >= 16.
+        raise ValueError(f"tiles of {block_q * group_pad} q rows x {pages_per_block * page_size} "
+                         "keys are too small for Triton dots: raise block_q / pages_per_block")
 
     seq, q_start, q_end, kv_len = work_items(cu_q_lens, kv_lens, num_seqs,
                                              num_tokens=num_tokens, block_q=block_q)

@@ -82,11 +82,14 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    pages_per_step: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention; see the module docstring for the layout.
 
     `sliding_window=W` lets a query at position p see keys p-W+1..p; `soft_cap=c` applies
     `c * tanh(s / c)` to the scores; `k_scale` / `v_scale` dequantize a low-precision cache.
+    `pages_per_step` pages are folded in per loop iteration (default: about 64 keys while
+    the per-step gather stays small; fewer, larger steps run faster on the CPU).
     Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`, zeros on padding rows.
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
@@ -104,6 +107,12 @@ def ragged_paged_attention(
     pages_per_seq = page_indices.shape[1]
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE
+    if pages_per_step is None:
+        # ~64 keys per step, but keep the gathered [T, keys, 2*kvh, D] block under ~4M values.
+        budget = max(1, (1 << 22) // (num_tokens * page_size * num_kv_slots * head_dim))
+        pages_per_step = max(1, min(64 // page_size, budget, pages_per_seq))
+    n = pages_per_step
+    block_k = n * page_size
 
     seq_ids, positions, valid = token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
 
@@ -111,32 +120,37 @@ def ragged_paged_attention(
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
     # [num_pages, page_size, kvh, 2, D]: k at [..., 0, :], v at [..., 1, :].
     kv_view = kv_pages.reshape(kv_pages.shape[0], page_size, num_kv_heads, 2, head_dim)
-    token_pages = page_indices[seq_ids]  # [T, pages_per_seq]: small, int32
+    # [T, pages_per_seq (+ pad to a multiple of n)]: small, int32. Pad entries point at the
+    # null page; the keys they hold are past kv_len and masked.
+    token_pages = page_indices[seq_ids]
+    token_pages = jnp.pad(token_pages, ((0, 0), (0, -pages_per_seq % n)))
 
     # Loop bounds are data. Upper: the most pages any real sequence holds.
     real_seq = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
     seq_pages = jnp.where(real_seq, (kv_lens + page_size - 1) // page_size, 0)
-    end_page = jnp.minimum(jnp.max(seq_pages), pages_per_seq)
+    end_step = (jnp.minimum(jnp.max(seq_pages), pages_per_seq) + n - 1) // n
     # Lower: with a sliding window, pages wholly before every real token's window.
     if sliding_window is not None:
-        first_key = jnp.where(valid, jnp.maximum(positions - sliding_window + 1, 0), positions.max())
-        start_page = jnp.min(first_key) // page_size
+        window_start = jnp.maximum(positions - sliding_window + 1, 0)
+        first_key = jnp.where(valid, window_start, positions.max())
+        start_step = jnp.min(first_key) // block_k
     else:
-        start_page = jnp.int32(0)
+        start_step = jnp.int32(0)
 
-    slot = jnp.arange(page_size, dtype=jnp.int32)
+    slot = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(j, carry):
         m, l, acc = carry  # [T, kvh, g], [T, kvh, g], [T, kvh, g, D]
-        kv = kv_view[token_pages[:, j]]  # [T, page_size, kvh, 2, D]
+        pages = jax.lax.dynamic_slice_in_dim(token_pages, j * n, n, axis=1)  # [T, n]
+        kv = kv_view[pages].reshape(num_tokens, block_k, num_kv_heads, 2, head_dim)
         k = kv[:, :, :, 0, :].astype(jnp.float32)
         v = kv[:, :, :, 1, :].astype(jnp.float32)
         if k_scale is not None:
             k = k * k_scale
         if v_scale is not None:
             v = v * v_scale
-        key_pos = j * page_size + slot  # [page_size]
-        visible = key_pos[None, :] <= positions[:, None]  # [T, page_size]
+        key_pos = j * block_k + slot  # [block_k]
+        visible = key_pos[None, :] <= positions[:, None]  # [T, block_k]
         if sliding_window is not None:
             visible &= key_pos[None, :] > positions[:, None] - sliding_window
         # Unused slots may hold anything, NaN included; 0 * NaN is NaN, so zero the values.
@@ -158,7 +172,7 @@ def ragged_paged_attention(
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
     # fori_loop with traced bounds lowers to a while_loop: one compiled body, data trip count.
-    _, l, acc = jax.lax.fori_loop(start_page, end_page, body, init)
+    _, l, acc = jax.lax.fori_loop(start_step, end_step, body, init)
     # Every real token sees at least itself, so l >= 1 there; guard only the padding rows.
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)

@@ -8,8 +8,9 @@ feeding the scheduler: a page handed to two requests, a stale prefix-cache
 hit, a diff that disagrees with the worker's copy, or a scheduled position
 without an input token all fail an assertion here.
 
-Sampled tokens are a pure function of (req_id, position), so a run gives the
-same tokens with sync or async scheduling and with or without preemption.
+By default sampled tokens are a pure function of (req_id, position), so a run
+gives the same tokens with sync or async scheduling and with or without
+preemption.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class _ReqState:
 
 
 def fake_token(req_id: str, position: int, vocab_size: int, eos_token_id: int | None,
-               eos_prob: float) -> int:
-    """Deterministic 'sampled' token for position `position` of `req_id`."""
-    digest = hashlib.blake2b(f"{req_id}:{position}".encode(), digest_size=8).digest()
+               eos_prob: float, nonce: int = 0) -> int:
+    """'Sampled' token for position `position` of `req_id`; a pure function
+    of its arguments."""
+    digest = hashlib.blake2b(f"{req_id}:{position}:{nonce}".encode(), digest_size=8).digest()
     x = int.from_bytes(digest, "little")
     if eos_token_id is not None and (x & 0xFFFF) / 0x10000 < eos_prob:
         return eos_token_id
@@ -51,12 +53,16 @@ class FakeWorker:
         eos_token_id: int | None = None,
         eos_prob: float = 0.0,
         check_kv: bool = True,
+        deterministic: bool = True,
     ) -> None:
+        """deterministic=False mixes the step number into each token, like real
+        sampling: then a token the scheduler and the worker disagree on shows up."""
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.eos_prob = eos_prob
         self.check_kv = check_kv
+        self.deterministic = deterministic
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.reqs: dict[str, _ReqState] = {}
         self.steps: list[SchedulerOutput] = []
@@ -113,7 +119,8 @@ class FakeWorker:
             st.num_computed_tokens = end
             req_ids.append(req_id)
             if end == len(st.tokens):
-                tok = fake_token(req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob)
+                nonce = 0 if self.deterministic else self.num_executed
+                tok = fake_token(req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob, nonce)
                 st.tokens.append(tok)
                 sampled.append([tok])
             else:

@@ -65,25 +65,35 @@ def make_request(
     )
 
 
+def schedule(sched: Scheduler) -> SchedulerOutput:
+    """sched.schedule(), noting which requests this step samples for (those
+    whose scheduled chunk reaches the end of their tokens, placeholders
+    included), as the worker would know."""
+    so = sched.schedule()
+    so.samples = {  # type: ignore[attr-defined]
+        r: sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+        for r in so.num_scheduled_tokens
+    }
+    return so
+
+
 def model_output(
     sched: Scheduler, so: SchedulerOutput, tokens: dict[str, int] | int = 7
 ) -> ModelRunnerOutput:
-    """What a worker returns: a token for every request whose scheduled chunk
-    reached the end of its tokens (placeholders included), [] otherwise."""
+    """What a worker returns for `so` (from schedule()): a token for every
+    request it samples for, [] for partial prefills."""
     req_ids = list(so.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
-        req = sched.requests.get(req_id)
-        done = req is None or req.num_computed_tokens >= req.num_tokens
         tok = tokens.get(req_id, 7) if isinstance(tokens, dict) else tokens
-        sampled.append([tok] if done else [])
+        sampled.append([tok] if so.samples[req_id] else [])  # type: ignore[attr-defined]
     return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
 
 def step(
     sched: Scheduler, tokens: dict[str, int] | int = 7
 ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
-    so = sched.schedule()
+    so = schedule(sched)
     outs = sched.update_from_output(so, model_output(sched, so, tokens))
     return so, {o.req_id: o for o in outs}
 

@@ -111,4 +111,6 @@ def naive_attention(batch: Batch, *, sm_scale: float, sliding_window: int | None
 
 
 def tolerance(dtype) -> dict[str, float]:
-    return dict(atol=2e-5, rtol=2e-5) if np.dtype(dtype) == np.float32 else dict(atol=3e-2, rtol=3e-2)
+    if np.dtype(dtype) == np.float32:
+        return dict(atol=2e-5, rtol=2e-5)
+    return dict(atol=3e-2, rtol=3e-2)

@@ -3,14 +3,12 @@ own GGUF loader, in float32: top-1 equal at every position, max |diff| <= 2e-3."
 
 from __future__ import annotations
 
-import os
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model_files import default_model_path
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.tokenizer import load_tokenizer
@@ -25,18 +23,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    import torch
-    import transformers
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-
-
-def test_default_model_matches_transformers(hf_model) -> None:
+def test_default_model_matches_transformers(hf_default_model) -> None:
     import torch
 
     t0 = time.perf_counter()
@@ -53,6 +40,6 @@ def test_default_model_matches_transformers(hf_model) -> None:
         ids = tok(text).input_ids
         ours = prompt_logits(model, params, ids)
         with torch.no_grad():
-            ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+            ref = hf_default_model(torch.tensor([ids])).logits[0].numpy()
         np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
         assert np.abs(ours - ref).max() <= 2e-3

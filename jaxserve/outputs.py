@@ -10,7 +10,7 @@ This module never imports JAX.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class FinishReason(enum.Enum):
@@ -94,5 +94,3 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
-    # Free-form per-request extras (e.g. trace ids); never read by the engine.
-    extra: dict[str, object] = field(default_factory=dict)

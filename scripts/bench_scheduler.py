@@ -25,6 +25,7 @@ BLOCK_SIZE = 16
 # CPU time of this thread: on a shared machine the wall clock also counts the
 # time other processes hold the core (multi-millisecond OS time slices).
 CLOCKS = [time.thread_time_ns]
+FREEZE_GC = [True]
 
 
 def fake_output(sched: Scheduler, so: SchedulerOutput, step: int) -> ModelRunnerOutput:
@@ -53,14 +54,16 @@ def make_scheduler(num_running: int, budget: int, max_model_len: int, num_blocks
 
 def add(sched: Scheduler, req_id: str, prompt_len: int, max_tokens: int) -> None:
     prompt = [10 + (hash(req_id) + i) % 30000 for i in range(prompt_len)]
-    sched.add_request(Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sched.add_request(Request(req_id, prompt, params))
 
 
 def run(sched: Scheduler, steps: int, on_step=None) -> tuple[list[float], list[float], float]:
     """Time `steps` steps; returns per-step CPU ms, wall ms and mean tokens per step."""
     cpu, wall, tokens = [], [], 0
     clock = CLOCKS[0]
-    freeze_gc_heap()  # as EngineCore does at start-up
+    if FREEZE_GC[0]:
+        freeze_gc_heap()  # as a dedicated engine-core process does at start-up
     for i in range(steps):
         if on_step:
             on_step(i)
@@ -114,7 +117,10 @@ def mixed_scenario(n: int, steps: int, async_scheduling: bool, caching: bool):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave start-up objects to the garbage collector (full-collection pauses)")
     args = ap.parse_args()
+    FREEZE_GC[0] = not args.no_gc_freeze
     rows = []
     for name, fn, n in [
         ("decode", decode_scenario, 256),
@@ -131,7 +137,7 @@ def main() -> None:
                              cpu[len(cpu) // 2], cpu[int(len(cpu) * 0.99) - 1],
                              wall[len(wall) // 2]))
     print(f"per step: schedule() + update_from_output(), {args.steps} steps, CPU time "
-          f"(wall p50 for reference)")
+          f"(wall p50 for reference), gc heap {'not ' if args.no_gc_freeze else ''}frozen")
     header = f"{'scenario':<22}{'running':>8}{'sched':>7}{'prefix$':>8}{'tok/step':>9}"
     header += f"{'mean ms':>9}{'p50 ms':>8}{'p99 ms':>8}{'us/req':>8}{'wall p50':>9}"
     print(header)

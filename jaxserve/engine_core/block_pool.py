@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 class KVCacheBlock:
     """One KV page: its id (index into the device cache), users and hash."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = (
+        "block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null"
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

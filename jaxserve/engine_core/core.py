@@ -45,7 +45,8 @@ def freeze_gc_heap() -> None:
     """Move every object alive now (KV pages, compiled programs, weights'
     metadata) out of the garbage collector's reach. Otherwise each full
     collection walks tens of thousands of start-up objects: 20 ms pauses at
-    1,024 running requests (scripts/bench_scheduler.py). vLLM does the same."""
+    1,024 running requests (scripts/bench_scheduler.py). vLLM's engine core
+    does the same at start-up. Frozen cyclic garbage is never freed."""
     gc.collect()
     gc.freeze()
 
@@ -67,11 +68,16 @@ class EngineCore:
         self,
         scheduler: Scheduler,
         worker: Worker,
-        batch_queue_size: int = 2,
-        freeze_gc: bool = True,
+        batch_queue_size: int | None = None,
+        freeze_gc: bool = False,
     ) -> None:
-        """`batch_queue_size`: steps in flight for step_with_batch_queue (2
-        overlaps scheduling with the device). `freeze_gc`: see freeze_gc_heap."""
+        """`batch_queue_size`: steps in flight for step_with_batch_queue; by
+        default 2 with async scheduling (overlap the host with the device),
+        else 1. `freeze_gc`: call freeze_gc_heap() now; for a dedicated
+        engine-core process, once everything is loaded (frozen objects are
+        never collected, so not for processes that build many engines)."""
+        if batch_queue_size is None:
+            batch_queue_size = 2 if scheduler.async_scheduling else 1
         if batch_queue_size < 1:
             raise ValueError(f"batch_queue_size must be >= 1, got {batch_queue_size}")
         self.scheduler = scheduler
@@ -79,6 +85,9 @@ class EngineCore:
         self.batch_queue_size = batch_queue_size
         # In-flight steps, newest on the left.
         self.batch_queue: deque[tuple[ModelRunnerOutputHandle, SchedulerOutput]] = deque()
+        self._execute_async = (
+            worker.execute_model_async if isinstance(worker, AsyncWorker) else None
+        )
         if freeze_gc:
             freeze_gc_heap()
 
@@ -138,6 +147,6 @@ class EngineCore:
         return self.worker.execute_model(scheduler_output)
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle:
-        if isinstance(self.worker, AsyncWorker):
-            return self.worker.execute_model_async(scheduler_output)
+        if self._execute_async is not None:
+            return self._execute_async(scheduler_output)
         return _DoneHandle(self.worker.execute_model(scheduler_output))

@@ -109,6 +109,7 @@ class KVCacheManager:
                     ):
                         self.cache_blocks(request, min(end, num_tokens))
                 return []
+        is_new = req_blocks is None
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_block[req_id] = 0
@@ -120,14 +121,16 @@ class KVCacheManager:
         num_tokens_need_slot = min(
             num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
-        num_new_blocks = cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(computed)
+        num_new_blocks = (
+            cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(computed)
+        )
         pool = self.block_pool
         if num_new_blocks > 0 or computed:
             # NOTE: a hit page with ref_cnt 0 sits in the free queue; touching
             # it removes it from there, so it costs a free page too.
             num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
             if max(num_new_blocks, 0) + num_evictable > pool.free_block_queue.num_free_blocks:
-                if not req_blocks:
+                if is_new:
                     del self.req_to_blocks[req_id], self.num_cached_block[req_id]
                 return None
             if computed:

@@ -95,6 +95,7 @@ class Request:
         # Hashes of the full pages of real tokens, extended as tokens arrive.
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: BlockHasher | None = None
+        self._block_size = 0
         self._next_hash_at = sys.maxsize  # num_tokens at which the next page is full
 
         self.queued_time: float | None = None

@@ -12,14 +12,22 @@ Worker order of operations for one SchedulerOutput:
   4. compute num_scheduled_tokens[r] tokens for each r from position
      num_computed_tokens, and sample for r iff that reaches the end of its
      tokens (with async scheduling: its tokens including its own sampled ones).
+     In each layer, write the KV of every scheduled token before attention
+     reads: a request may hit prefix-cache pages that another request of the
+     same step is filling.
 A step with total_num_scheduled_tokens == 0 only carries ids to drop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine_core.block_pool import KVCacheBlock
+    from jaxserve.engine_core.request import Request
 
 
 @dataclass
@@ -30,6 +38,18 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit length (or 0)
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            # NOTE: a copy: the scheduler keeps appending to the request's list.
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
 
 
 @dataclass
@@ -43,6 +63,19 @@ class CachedRequestData:
     @classmethod
     def make_empty(cls) -> CachedRequestData:
         return cls(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+
+    @classmethod
+    def from_requests(
+        cls, requests: list[Request], req_to_new_blocks: dict[str, list[KVCacheBlock]]
+    ) -> CachedRequestData:
+        """Diffs of `requests`, read before their num_computed_tokens advance."""
+        data = cls.make_empty()
+        for r in requests:
+            data.req_ids.append(r.req_id)
+            new_blocks = req_to_new_blocks[r.req_id]
+            data.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            data.num_computed_tokens.append(r.num_computed_tokens)
+        return data
 
 
 @dataclass

@@ -34,6 +34,7 @@ from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.engine_core.sched_utils import check_stop
 from jaxserve.engine_core.stats import SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
@@ -144,13 +145,54 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: running requests first, then admissions."""
         now = time.monotonic()
-        token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
         req_to_new_blocks: dict[str, list[KVCacheBlock]] = {}
         scheduled_running_reqs: list[Request] = []
         scheduled_new_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
 
+        token_budget = self._schedule_running(
+            self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
+            num_scheduled_tokens, preempted_reqs,
+        )
+        # NOTE: no admissions in a step that preempted: the pages just freed
+        # would go to a newcomer and the preempted request would thrash.
+        if not preempted_reqs:
+            token_budget = self._schedule_waiting(
+                token_budget, now, scheduled_new_reqs, num_scheduled_tokens
+            )
+
+        # NOTE: the request data is built before _update_after_schedule
+        # advances num_computed_tokens: the worker needs the old values.
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, get_block_ids(r.req_id)) for r in scheduled_new_reqs
+            ],
+            scheduled_cached_reqs=CachedRequestData.from_requests(
+                scheduled_running_reqs, req_to_new_blocks
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.req_id for r in preempted_reqs},
+        )
+        self.finished_req_ids = set()
+        self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
+        self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
+        return scheduler_output
+
+    def _schedule_running(
+        self,
+        token_budget: int,
+        now: float,
+        scheduled_running_reqs: list[Request],
+        req_to_new_blocks: dict[str, list[KVCacheBlock]],
+        num_scheduled_tokens: dict[str, int],
+        preempted_reqs: list[Request],
+    ) -> int:
+        """Give running requests their tokens in order, preempting the worst
+        running request whenever pages run out; returns the budget left."""
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
         max_model_len = self.max_model_len
@@ -170,7 +212,8 @@ class Scheduler:
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             if num_new_tokens > max_model_len - 1 - num_computed:
-                num_new_tokens = max_model_len - 1 - num_computed  # the last position's token is never input
+                # The token at the last position is sampled, never an input.
+                num_new_tokens = max_model_len - 1 - num_computed
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -198,30 +241,7 @@ class Scheduler:
             num_scheduled_tokens[request.req_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
-
-        # NOTE: no admissions in a step that preempted: the pages just freed
-        # would go to a newcomer and the preempted request would thrash.
-        if not preempted_reqs:
-            token_budget = self._schedule_waiting(
-                token_budget, now, scheduled_new_reqs, num_scheduled_tokens
-            )
-
-        # NOTE: the request data is built before _update_after_schedule
-        # advances num_computed_tokens: the worker needs the old values.
-        scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=self._make_new_request_data(scheduled_new_reqs),
-            scheduled_cached_reqs=self._make_cached_request_data(
-                scheduled_running_reqs, req_to_new_blocks
-            ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.req_id for r in preempted_reqs},
-        )
-        self.finished_req_ids = set()
-        self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
-        self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
-        return scheduler_output
+        return token_budget
 
     def _schedule_waiting(
         self,
@@ -275,7 +295,9 @@ class Scheduler:
         """Index in `running` of the request to preempt (O(n), rare)."""
         running = self.running
         if self.policy is SchedulingPolicy.PRIORITY:
-            return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time))
+            return max(
+                range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
+            )
         return max(range(len(running)), key=lambda i: running[i].arrival_time)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
@@ -291,35 +313,9 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         self.waiting.prepend_request(request)
 
-    def _make_new_request_data(self, requests: list[Request]) -> list[NewRequestData]:
-        get_block_ids = self.kv_cache_manager.get_block_ids
-        return [
-            NewRequestData(
-                req_id=r.req_id,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=get_block_ids(r.req_id),
-                num_computed_tokens=r.num_computed_tokens,
-            )
-            for r in requests
-        ]
-
-    @staticmethod
-    def _make_cached_request_data(
-        requests: list[Request], req_to_new_blocks: dict[str, list[KVCacheBlock]]
-    ) -> CachedRequestData:
-        req_ids = []
-        new_block_ids = []
-        num_computed_tokens = []
-        for r in requests:
-            req_ids.append(r.req_id)
-            new_blocks = req_to_new_blocks[r.req_id]
-            new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
-            num_computed_tokens.append(r.num_computed_tokens)
-        return CachedRequestData(req_ids, new_block_ids, num_computed_tokens)
-
-    def _update_after_schedule(self, requests: list[Request], num_scheduled: dict[str, int]) -> None:
+    def _update_after_schedule(
+        self, requests: list[Request], num_scheduled: dict[str, int]
+    ) -> None:
         """Advance num_computed_tokens now (vLLM's _update_after_schedule), so
         the next step can be scheduled before this one's output arrives."""
         async_scheduling = self.async_scheduling
@@ -346,8 +342,6 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         requests = self.requests
         async_scheduling = self.async_scheduling
-        caching = self.kv_cache_manager.enable_caching
-        block_size = self.block_size
         stopped_running: set[Request] = set()
         stopped_waiting: list[Request] = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -363,26 +357,7 @@ class Scheduler:
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
-            stopped = False
-            for num_new, token_id in enumerate(new_token_ids, 1):
-                request.append_output_token_ids(token_id)
-                if self._check_stop(request, token_id):
-                    stopped = True
-                    new_token_ids = new_token_ids[:num_new]
-                    break
-            if async_scheduling:
-                request.num_output_placeholders -= len(new_token_ids)
-                num_tokens = request.num_tokens
-                if (
-                    caching
-                    and status_before is _RUNNING
-                    and num_tokens // block_size != (num_tokens - len(new_token_ids)) // block_size
-                ):
-                    # A page just filled with real tokens whose KV dispatched
-                    # steps compute: register it now, not at the next allocation.
-                    self.kv_cache_manager.cache_blocks(
-                        request, min(request.num_computed_tokens, num_tokens)
-                    )
+            new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
             finish_reason = None
             if stopped:
                 was_running = status_before is _RUNNING
@@ -412,24 +387,32 @@ class Scheduler:
             self.waiting.remove_requests(stopped_waiting)
         return outputs
 
-    def _check_stop(self, request: Request, last_token_id: int) -> bool:
-        """Sets the FINISHED_* status. Order: min_tokens suppresses EOS and
-        stop_token_ids; EOS unless ignore_eos; stop_token_ids; max_tokens;
-        max_model_len (never suppressed: there is no room for more tokens)."""
-        num_output_tokens = request.num_output_tokens
-        params = request.sampling_params
-        if num_output_tokens >= params.min_tokens:
-            if last_token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last_token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append tokens up to a stop; returns the tokens kept and whether it stopped."""
+        stopped = False
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, token_id, self.max_model_len):
+                stopped = True
+                new_token_ids = new_token_ids[:num_new]
+                break
+        if self.async_scheduling:
+            request.num_output_placeholders -= len(new_token_ids)
+            num_tokens = request.num_tokens
+            bs = self.block_size
+            if (
+                self.kv_cache_manager.enable_caching
+                and request.num_computed_tokens > 0  # holds pages (was not preempted)
+                and num_tokens // bs != (num_tokens - len(new_token_ids)) // bs
+            ):
+                # A page just filled with real tokens whose KV dispatched steps
+                # compute: register it now rather than at the next allocation.
+                self.kv_cache_manager.cache_blocks(
+                    request, min(request.num_computed_tokens, num_tokens)
+                )
+        return new_token_ids, stopped
 
     # --- state and stats ----------------------------------------------------
 

@@ -86,7 +86,7 @@ class FakeWorker:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
         ):
             st = self.reqs[req_id]
-            assert st.num_computed_tokens == num_computed, (req_id, st.num_computed_tokens, num_computed)
+            assert st.num_computed_tokens == num_computed, (req_id, st.num_computed_tokens)
             st.block_ids.extend(new_ids)
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
             cached.req_ids
@@ -120,7 +120,9 @@ class FakeWorker:
             req_ids.append(req_id)
             if end == len(st.tokens):
                 nonce = 0 if self.deterministic else self.num_executed
-                tok = fake_token(req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob, nonce)
+                tok = fake_token(
+                    req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob, nonce
+                )
                 st.tokens.append(tok)
                 sampled.append([tok])
             else:

@@ -117,3 +117,25 @@ def test_stats_from_the_core():
     core.step()
     stats = core.get_stats()
     assert stats.num_running_reqs == 3 and stats.kv_cache_usage > 0
+
+
+def test_batch_queue_size_follows_async_scheduling_and_gc_is_frozen():
+    import gc
+
+    sched = make_scheduler(async_scheduling=True)
+    gc.unfreeze()
+    core = EngineCore(sched, FakeWorker(64, BS), freeze_gc=True)
+    assert core.batch_queue_size == 2 and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    core = EngineCore(make_scheduler(), FakeWorker(64, BS))
+    assert core.batch_queue_size == 1 and gc.get_freeze_count() == 0
+
+
+def test_batch_queue_of_one_is_the_synchronous_loop():
+    results = []
+    for use_batch_queue in (False, True):
+        core, _ = make_core(async_scheduling=False)
+        assert core.batch_queue_size == 1
+        add_requests(core, n=6)
+        results.append(run(core, use_batch_queue=use_batch_queue))
+    assert results[0] == results[1]

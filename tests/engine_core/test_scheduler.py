@@ -41,7 +41,8 @@ def test_chunked_prefill_under_the_token_budget():
     so, outs = step(sched)
     assert so.num_scheduled_tokens == {"a": 1}  # decode
     assert so.scheduled_cached_reqs.num_computed_tokens == [40]
-    assert so.scheduled_cached_reqs.new_block_ids == [[sched.kv_cache_manager.get_block_ids("a")[-1]]]
+    last_page = sched.kv_cache_manager.get_block_ids("a")[-1]
+    assert so.scheduled_cached_reqs.new_block_ids == [[last_page]]
 
 
 def test_new_request_data_once_then_diffs_with_new_pages():
@@ -80,7 +81,9 @@ def test_max_num_seqs_caps_running_requests():
 
 
 def test_without_chunked_prefill_a_prompt_is_never_split():
-    sched = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    sched = make_scheduler(
+        enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64
+    )
     sched.add_request(make_request("a", 40))
     sched.add_request(make_request("b", 40))
     so, _ = step(sched)
@@ -326,7 +329,8 @@ def test_async_schedules_the_next_step_before_the_output_is_known():
     so1 = schedule(sched)
     assert so1.num_scheduled_tokens == {"a": 8} and a.num_output_placeholders == 1
     so2 = schedule(sched)  # step 1 still in flight
-    assert so2.num_scheduled_tokens == {"a": 1} and so2.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert so2.num_scheduled_tokens == {"a": 1}
+    assert so2.scheduled_cached_reqs.num_computed_tokens == [8]
     assert a.num_output_placeholders == 2 and a.num_computed_tokens == 9
     outs = sched.update_from_output(so1, model_output(sched, so1, 11))
     assert outs[0].new_token_ids == [11] and a.num_output_placeholders == 1
@@ -334,8 +338,12 @@ def test_async_schedules_the_next_step_before_the_output_is_known():
     assert a.output_token_ids == [11, 12] and a.num_output_placeholders == 0
 
 
-@pytest.mark.parametrize("max_tokens, prompt_len, max_model_len", [(1, 8, 64), (2, 8, 64), (8, 14, 16)])
-def test_async_never_schedules_past_max_tokens_or_max_model_len(max_tokens, prompt_len, max_model_len):
+@pytest.mark.parametrize(
+    "max_tokens, prompt_len, max_model_len", [(1, 8, 64), (2, 8, 64), (8, 14, 16)]
+)
+def test_async_never_schedules_past_max_tokens_or_max_model_len(
+    max_tokens, prompt_len, max_model_len
+):
     sched = make_scheduler(async_scheduling=True, max_model_len=max_model_len)
     sched.add_request(make_request("a", prompt_len, max_tokens=max_tokens))
     expected_steps = min(max_tokens, max_model_len - prompt_len)

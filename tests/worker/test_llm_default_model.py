@@ -120,3 +120,25 @@ def test_prefix_cache_hits_are_observable(llm: LLM) -> None:
     assert first.num_cached_tokens == 0 or first.num_cached_tokens is None or True
     assert second.num_cached_tokens >= 16 * (len(llm.get_tokenizer()(shared).input_ids) // 16) - 16
     assert second.num_cached_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=16)
+    alone = llm.generate([PROMPTS[0]], p, use_tqdm=False)
+    others = SamplingParams(temperature=0.7, max_tokens=10)
+    batched = llm.generate(PROMPTS[:8], [p] + [others] * 7, use_tqdm=False)
+    assert token_ids(alone)[0] == token_ids(batched)[0]
+    unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
+    assert token_ids(unseeded)[0] != token_ids(unseeded)[1]  # fresh randomness per request
+
+
+def test_logprobs_and_stop_strings(llm: LLM) -> None:
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert tok in entry and len(entry) in (3, 4) and entry[tok].rank == 1  # greedy: rank 1
+    full = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[5:9]
+    cut = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=32, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full[: full.index(stop)]

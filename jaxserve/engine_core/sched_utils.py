@@ -1,0 +1,34 @@
+"""Stop conditions checked on each sampled token (vLLM's sched/utils.check_stop).
+
+Stop strings are not here: they need detokenized text and are checked by the
+front end, which then aborts the request.
+"""
+
+from __future__ import annotations
+
+from jaxserve.engine_core.request import Request, RequestStatus
+
+
+def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool:
+    """Whether `last_token_id` (just appended) ends the request; sets its
+    FINISHED_* status and stop_reason.
+
+    Order: min_tokens suppresses EOS and stop_token_ids; EOS unless
+    ignore_eos; stop_token_ids; max_tokens; max_model_len. So a request whose
+    last allowed token is EOS reports "stop", not "length". max_model_len is
+    never suppressed by min_tokens: there is no room for another token.
+    """
+    num_output_tokens = request.num_output_tokens
+    params = request.sampling_params
+    if num_output_tokens >= params.min_tokens:
+        if last_token_id == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+            return True
+    if num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

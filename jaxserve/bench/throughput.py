@@ -29,6 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--step-stats", action="store_true",
+                   help="time host work (scheduling, input preparation) and device waits per step")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> dict:
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # touch every path once
+    timers = _instrument(llm) if args.step_stats else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -67,7 +70,52 @@ def run(args: argparse.Namespace) -> dict:
           f"{result['output_tokens_per_s']:.1f} output tokens/s  "
           f"({args.num_prompts} prompts, {args.input_len} in, {args.output_len} out, {elapsed:.1f} s)")
     print(f"Start-up: {startup:.1f} s ({', '.join(f'{k}={v:.1f}' for k, v in llm.engine.timings.items())})")
+    if timers is not None:
+        steps = max(timers["steps"], 1)
+        host = (timers["schedule"] + timers["update"] + timers["prepare"]) / steps * 1e3
+        result["step_stats_ms"] = {
+            "period": elapsed / steps * 1e3,
+            "host": host,
+            "schedule+update": (timers["schedule"] + timers["update"]) / steps * 1e3,
+            "prepare+dispatch": timers["prepare"] / steps * 1e3,
+            "wait_for_device": timers["wait"] / steps * 1e3,
+            "steps": timers["steps"],
+        }
+        print("Per step (ms): " + ", ".join(f"{k}={v:.2f}" for k, v in result["step_stats_ms"].items()))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _instrument(llm) -> dict[str, float]:
+    """Wrap the boxes' entry points with timers (benchmark only; no cost otherwise)."""
+    timers = {"schedule": 0.0, "update": 0.0, "prepare": 0.0, "wait": 0.0, "steps": 0}
+    sched, runner = llm.engine_core.scheduler, llm.engine.worker.runner
+
+    def timed(obj, name: str, key: str, count: bool = False):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[key] += time.perf_counter() - t
+                if count:
+                    timers["steps"] += 1
+
+        setattr(obj, name, wrapper)
+
+    timed(sched, "schedule", "schedule")
+    timed(sched, "update_from_output", "update")
+    timed(runner, "execute_model_async", "prepare", count=True)
+    original = runner._to_output
+    def to_output(*a, **k):  # the first device read of a step: its wait
+        t = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            timers["wait"] += time.perf_counter() - t
+    runner._to_output = to_output
+    return timers

@@ -52,7 +52,9 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     if "compile_s" in worker.timings:
         logger.info("compiled all buckets in %.1f s", worker.timings["compile_s"])
     scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id)
-    batch_queue = 2 if sc.async_scheduling else 1
+    # Async scheduling keeps one step in flight while the next is prepared; with
+    # pipeline stages, one per stage so that the stages overlap.
+    batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1
     core = EngineCore(scheduler, worker, batch_queue_size=batch_queue)
     timings = dict(worker.timings, total_s=time.perf_counter() - t0)
     return BuiltEngine(core, worker, config, num_blocks, timings)

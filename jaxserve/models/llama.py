@@ -14,11 +14,13 @@ kernels see an ordinary paged cache and nothing copies a layer out of the stack.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
@@ -26,10 +28,46 @@ from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 
 
+KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
+
+
+def paged_attention(
+    q: jax.Array,  # [T, q_heads, D]
+    k: jax.Array,  # [T, kv_heads, D]
+    v: jax.Array,
+    kv_cache: jax.Array,  # [L, num_pages, page_size, 2 * kv_heads, D]
+    layer_idx: jax.Array,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Write this layer's K/V into the stacked cache, then attend over it.
+
+    The cache is viewed as `[L * num_pages, ...]` (a free reshape) with page ids
+    and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
+    paged cache and no layer is copied out of the stack.
+    """
+    num_layers, num_pages, page_size = kv_cache.shape[:3]
+    flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
+    page_offset = layer_idx * num_pages
+    with jax.named_scope("kv_cache_update"):
+        flat = kernels_pallas.update_kv_cache(
+            flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend
+        )
+    with jax.named_scope("attention"):
+        out = kernels_pallas.ragged_paged_attention(
+            q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, backend=backend,
+        )
+    return out, flat.reshape(kv_cache.shape)
+
+
 class Attention(nn.Module):
     cfg: ArchConfig
     dtype: Any
     attention_backend: str
+    mesh: Mesh | None
 
     @nn.compact
     def __call__(
@@ -58,20 +96,19 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-        num_layers, num_pages, page_size = kv_cache.shape[:3]
-        flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
-        page_offset = layer_idx * num_pages
-        with jax.named_scope("kv_cache_update"):
-            flat = kernels_pallas.update_kv_cache(
-                flat, k, v, md.slot_mapping + page_offset * page_size,
-                backend=self.attention_backend,
+        attend = functools.partial(
+            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend
+        )
+        if self.mesh is not None:
+            # Each device attends with its own heads over its own slice of the cache:
+            # no communication inside attention (o_proj's all-reduce follows).
+            heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
+            attend = jax.shard_map(
+                attend, mesh=self.mesh,
+                in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
+                out_specs=(heads, cache), check_vma=False,
             )
-        with jax.named_scope("attention"):
-            out = kernels_pallas.ragged_paged_attention(
-                q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
-                sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
-            )
-        kv_cache = flat.reshape(kv_cache.shape)
+        out, kv_cache = attend(q, k, v, kv_cache, layer_idx, md)
         out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size))
         return out, kv_cache
 
@@ -80,6 +117,7 @@ class DecoderLayer(nn.Module):
     cfg: ArchConfig
     dtype: Any
     attention_backend: str
+    mesh: Mesh | None
 
     @nn.compact
     def __call__(
@@ -93,7 +131,7 @@ class DecoderLayer(nn.Module):
         h, kv_cache = carry
         cfg = self.cfg
         attn_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
-        attn_out, kv_cache = Attention(cfg, self.dtype, self.attention_backend, name="self_attn")(
+        attn_out, kv_cache = Attention(cfg, self.dtype, self.attention_backend, self.mesh, name="self_attn")(
             attn_in, layer_idx, cos, sin, kv_cache, md
         )
         h = h + attn_out
@@ -109,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
     cfg: ArchConfig
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
+    mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -121,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
-        )(cfg, self.dtype, self.attention_backend)
+        )(cfg, self.dtype, self.attention_backend, self.mesh)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(
@@ -135,11 +174,24 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: jax.Array,  # [L, num_pages, page_size, 2 * kv_heads, head_dim]
         md: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        h = self.embed_tokens(input_ids)
+        h, kv_cache = self.run_layers(self.embed(input_ids), positions, kv_cache, md)
+        return self.final_norm(h), kv_cache
+
+    # The pieces of __call__, for pipeline stages: the first embeds, every stage runs
+    # its own layers (a config with its layer count), the last normalises.
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(input_ids)
+
+    def run_layers(
+        self, h: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
         (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)
-        return self.norm(h), kv_cache
+        return h, kv_cache
+
+    def final_norm(self, h: jax.Array) -> jax.Array:
+        return self.norm(h)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> float32 logits [N, vocab]."""

@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> padded device inputs -> compiled step -> tokens.
 
-Two compiled programs per step, each bucketed on one axis so their count stays
-small (|token buckets| + |request buckets|, all compiled at warm-up):
+Two compiled programs per step (one forward per pipeline stage), each bucketed
+on one axis so their count stays small (|token buckets| + |request buckets|,
+all compiled at warm-up):
 
     forward[T]  (params, kv_cache*, last_sampled, inputs) -> kv_cache, hidden[S]
                 runs the decoder over T (padded) tokens and keeps the hidden
@@ -31,6 +32,7 @@ from tqdm import tqdm
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
+from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs
 from jaxserve.worker.sampler import SamplingMetadata, SamplerOutput, sample
@@ -65,24 +67,23 @@ class StepHandle:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        params: Any,
-        kv_cache: jax.Array,
+        stages: list[Stage],
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
         block_size: int,
-        replicated: jax.sharding.Sharding,
         seed: int = 0,
     ) -> None:
-        self.model = model
-        self.params = params
-        self.kv_cache = kv_cache
+        self.stages = stages
+        last = stages[-1]
+        self.model = last.model  # the LM head and sampler run on the last stage
+        self.params = last.params
+        replicated = last.replicated
         self.max_num_seqs = S = max_num_seqs
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.request_buckets = request_buckets(max_num_seqs)
-        V = model.cfg.vocab_size
+        V = self.model.cfg.vocab_size
         self.batch = InputBatch(S, max_model_len, block_size, V)
         self.seed = seed
         self._num_requests_seen = 0
@@ -92,20 +93,37 @@ class ModelRunner:
         self.penalties = jax.device_put(
             PenaltyState(jnp.zeros((S, V), bool), jnp.zeros((S, V), jnp.int32)), replicated
         )
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._stage = jax.jit(self._stage_impl, static_argnums=(0,), donate_argnums=(2,))
         self._sample = jax.jit(self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4))
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
 
     # ---- compiled programs -------------------------------------------------------------
 
-    def _forward_impl(self, params, kv_cache, last_sampled, inp: StepInputs):
-        # Tokens sampled by the previous step have not reached the host: read them here.
-        input_ids = jnp.where(
-            inp.prev_slot >= 0, last_sampled[jnp.maximum(inp.prev_slot, 0)], inp.input_ids
-        )
+    def _stage_impl(self, index: int, params, kv_cache, x, inp: StepInputs):
+        """One pipeline stage (the whole model when pp = 1).
+
+        The first stage embeds (x = last_sampled: tokens sampled by the previous step
+        have not reached the host, so they are read here); the others continue from
+        the hidden states x. The last stage keeps each request's last hidden state.
+        """
+        st = self.stages[index]
+        if st.is_first:
+            input_ids = jnp.where(inp.prev_slot >= 0, x[jnp.maximum(inp.prev_slot, 0)], inp.input_ids)
+            x = st.model.apply(params, input_ids, method=LlamaForCausalLM.embed)
         md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-        hidden, kv_cache = self.model.apply(params, input_ids, inp.positions, kv_cache, md)
-        return kv_cache, hidden[inp.logits_indices]
+        h, kv_cache = st.model.apply(params, x, inp.positions, kv_cache, md, method=LlamaForCausalLM.run_layers)
+        if st.is_last:
+            h = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)[inp.logits_indices]
+        return kv_cache, h
+
+    def _forward(self, inp: StepInputs) -> jax.Array:
+        """Run every stage; activations hop to the next stage's devices asynchronously."""
+        x = self.last_sampled
+        for st in self.stages:
+            if len(self.stages) > 1:
+                x = jax.device_put(x, st.replicated)
+            st.kv_cache, x = self._stage(st.index, st.params, st.kv_cache, x, inp)
+        return x
 
     def _sample_impl(self, num_rows: int, params, hidden, last_sampled, penalties: PenaltyState,
                      slots, real, md: SamplingMetadata):
@@ -146,7 +164,7 @@ class ModelRunner:
         md = self._sampling_metadata(inp, slots, num_sched, R)
         real = np.zeros(self.max_num_seqs, bool)
         real[: len(req_ids)] = samples
-        self.kv_cache, hidden = self._forward(self.params, self.kv_cache, self.last_sampled, inp)
+        hidden = self._forward(inp)
         self.last_sampled, self.penalties, out = self._sample(
             R, self.params, hidden, self.last_sampled, self.penalties, inp.sample_slots, real, md
         )
@@ -246,7 +264,7 @@ class ModelRunner:
             hidden = None
             for T in self.token_buckets:
                 inp, _, _ = self.batch.prepare([], np.zeros(0, np.int32), T)
-                self.kv_cache, hidden = self._forward(self.params, self.kv_cache, self.last_sampled, inp)
+                hidden = self._forward(inp)
                 bar.update()
             for R in self.request_buckets:
                 md = self._sampling_metadata(inp, np.zeros(0, np.int32), np.zeros(0, np.int32), R)
@@ -257,5 +275,5 @@ class ModelRunner:
                 bar.update()
             self._admit_slot(0, [], [])
             bar.update()
-            jax.block_until_ready((self.kv_cache, self.last_sampled, self.penalties))
+            jax.block_until_ready(([st.kv_cache for st in self.stages], self.last_sampled, self.penalties))
         return time.perf_counter() - t0

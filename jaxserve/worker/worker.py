@@ -14,15 +14,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, resolve_model
-from jaxserve.models import ArchConfig, LlamaForCausalLM, kv_cache_shape
+from jaxserve.models import ArchConfig, kv_cache_shape
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.pipeline import build_stages
+from jaxserve.parallel.sharding import adapt_heads, kv_cache_sharding
 from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner, StepHandle
 
@@ -66,14 +67,20 @@ class Worker:
         t0 = time.perf_counter()
         self.arch, host_params = load_checkpoint(self.model_files, self.dtype)
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.params = jax.device_put(host_params, replicated)
-        self.model = LlamaForCausalLM(self.arch, self.dtype, self.config.attention_backend)
+        tp = self.config.parallel_config.tensor_parallel_size
+        # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
+        self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
+        self.stages = build_stages(
+            self.run_arch, host_params, self.mesh, self.dtype, self.config.attention_backend
+        )
         self.timings["load_s"] = time.perf_counter() - t0
 
     def page_bytes(self) -> int:
-        """Bytes of one KV page across all layers."""
-        return self.arch.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize) * self.config.cache_config.block_size
+        """Bytes of one KV page on the busiest device: its stage's layers, its share of heads."""
+        layers = max(b - a for a, b in (st.layers for st in self.stages))
+        per_layer = self.run_arch.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize) // self.run_arch.num_hidden_layers
+        tokens = self.config.cache_config.block_size
+        return per_layer * layers * tokens // self.config.parallel_config.tensor_parallel_size
 
     def determine_num_blocks(self) -> int:
         """How many KV pages fit the memory budget (page 0 included, as the null page)."""
@@ -112,17 +119,17 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        shape = kv_cache_shape(self.arch, num_blocks, cc.block_size)
-        sharding = NamedSharding(self.mesh, PartitionSpec())
-        kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+        for st in self.stages:
+            shape = kv_cache_shape(st.model.cfg, num_blocks, cc.block_size)
+            sharding = kv_cache_sharding(st.mesh, shape)
+            st.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
-            self.model, self.params, kv_cache,
+            self.stages,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=cc.block_size,
-            replicated=NamedSharding(self.mesh, PartitionSpec()),
             seed=self.config.model_config.seed,
         )
 

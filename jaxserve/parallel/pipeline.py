@@ -1,0 +1,81 @@
+"""Pipeline parallelism: the decoder's layers split into stages on sub-meshes.
+
+    mesh (data=1, stage=pp, model=tp)
+      stage 0: devices[:, 0, :]  embed + layers [0, L/pp)          kv cache of those layers
+      stage 1: devices[:, 1, :]  layers [L/pp, 2L/pp)               ...
+      ...
+      stage pp-1:                last layers + final norm + LM head (sampler runs here)
+
+Each stage is its own compiled program on its own devices; the hidden states
+move between stages with an asynchronous device_put. Because JAX dispatch is
+asynchronous, the engine core keeps up to `pp` steps in flight and stage 0 of
+step N+1 can run while a later stage still works on step N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.models import ArchConfig, LlamaForCausalLM
+from jaxserve.parallel.sharding import param_shardings
+
+
+@dataclass
+class Stage:
+    index: int
+    layers: tuple[int, int]  # [start, end) of the checkpoint's layers
+    mesh: Mesh
+    model: LlamaForCausalLM  # configured with this stage's layer count
+    params: Any
+    is_first: bool
+    is_last: bool
+    kv_cache: jax.Array | None = None
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous, as even as possible; earlier stages take the remainder."""
+    if pp > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the number of layers {num_layers}")
+    bounds = np.cumsum([0] + [num_layers // pp + (i < num_layers % pp) for i in range(pp)])
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, last: bool, tied: bool) -> dict[str, Any]:
+    """The host params one stage needs (its layer slice; embedding/norm/head where used)."""
+    p = params["params"]
+    out: dict[str, Any] = {"layers": jax.tree.map(lambda a: a[layers[0] : layers[1]], p["layers"])}
+    if first or (last and tied):
+        out["embed_tokens"] = p["embed_tokens"]
+    if last:
+        out["norm"] = p["norm"]
+        if not tied:
+            out["lm_head"] = p["lm_head"]
+    return {"params": out}
+
+
+def build_stages(
+    arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str
+) -> list[Stage]:
+    """Split, place (with each stage's tensor-parallel shardings) and wrap every stage."""
+    pp, tp = mesh.shape["stage"], mesh.shape["model"]
+    ranges = split_layers(arch.num_hidden_layers, pp)
+    stages = []
+    for i, rng in enumerate(ranges):
+        sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
+        first, last = i == 0, i == pp - 1
+        host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
+        cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
+        model = LlamaForCausalLM(cfg, dtype, attention_backend, sub if tp > 1 else None)
+        params = jax.device_put(host, param_shardings(host, sub))
+        stages.append(Stage(i, rng, sub, model, params, first, last))
+    return stages

@@ -1,0 +1,145 @@
+"""Tensor-parallel sharding, declared once: logical axes per weight, rules to mesh axes.
+
+    logical axis   mesh axis   what it splits
+    vocab          model       embedding rows / LM-head columns (vocab-parallel)
+    heads          model       q/k/v output columns, o_proj input rows (column / row parallel)
+    mlp            model       gate/up output columns, down_proj input rows
+    kv_slots       model       the KV cache's interleaved k/v axis (whole heads per device)
+    layers, embed, head_dim    (replicated)
+
+Head counts that the tensor-parallel degree does not divide (SmolLM2-135M has 9
+query heads in 3 KV groups) are made divisible before sharding:
+
+  * replicate: when tp is a multiple of the KV heads and each group's query heads
+    split evenly, every KV head is copied tp / kv_heads times and its query
+    group split among the copies (no extra work);
+  * pad: otherwise dummy KV groups are appended (zero K/V weights, zero o_proj
+    rows), so they add nothing to the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.models.arch_config import ArchConfig
+
+LOGICAL_RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",
+    "mlp": "model",
+    "kv_slots": "model",
+    "layers": None,
+    "embed": None,
+    "head_dim": None,
+}
+
+# Param path (inside "params") -> logical axes of the leaf.
+PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("norm", "scale"): ("embed",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("layers", "input_layernorm", "scale"): ("layers", "embed"),
+    ("layers", "post_attention_layernorm", "scale"): ("layers", "embed"),
+    ("layers", "self_attn", "q_proj", "kernel"): ("layers", "embed", "heads"),
+    ("layers", "self_attn", "k_proj", "kernel"): ("layers", "embed", "heads"),
+    ("layers", "self_attn", "v_proj", "kernel"): ("layers", "embed", "heads"),
+    ("layers", "self_attn", "q_proj", "bias"): ("layers", "heads"),
+    ("layers", "self_attn", "k_proj", "bias"): ("layers", "heads"),
+    ("layers", "self_attn", "v_proj", "bias"): ("layers", "heads"),
+    ("layers", "self_attn", "o_proj", "kernel"): ("layers", "heads", "embed"),
+    ("layers", "self_attn", "q_norm", "scale"): ("layers", "head_dim"),
+    ("layers", "self_attn", "k_norm", "scale"): ("layers", "head_dim"),
+    ("layers", "mlp", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "mlp", "up_proj", "kernel"): ("layers", "embed", "mlp"),
+    ("layers", "mlp", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+}
+KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")  # [L, pages, page, 2*kvh, D]
+
+
+def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Map logical axes to mesh axes; a dimension the mesh axis does not divide stays whole."""
+    spec = []
+    for name, dim in zip(axes, shape):
+        mesh_axis = LOGICAL_RULES.get(name) if name else None
+        if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
+            mesh_axis = None
+        spec.append(mesh_axis)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """NamedSharding for every leaf of `{"params": ...}`."""
+
+    def one(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
+        keys = tuple(p.key for p in path)[1:]  # drop the leading "params"
+        axes = PARAM_AXES.get(keys)
+        if axes is None:
+            raise KeyError(f"no sharding rule for parameter {'/'.join(keys)}")
+        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def kv_cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, shape, mesh))
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    num_kv_heads: int  # after replication / padding
+    num_q_heads: int
+    replicas: int  # copies of each original KV head (1 = none)
+    padded_groups: int  # dummy KV groups appended
+
+
+def head_layout(arch: ArchConfig, tp: int) -> HeadLayout:
+    kvh, qh = arch.num_key_value_heads, arch.num_attention_heads
+    group = qh // kvh
+    if kvh % tp == 0:
+        return HeadLayout(kvh, qh, 1, 0)
+    if tp % kvh == 0 and group % (tp // kvh) == 0:
+        return HeadLayout(tp, qh, tp // kvh, 0)
+    padded = -(-kvh // tp) * tp
+    return HeadLayout(padded, padded * group, 1, padded - kvh)
+
+
+def adapt_heads(arch: ArchConfig, params: dict[str, Any], tp: int) -> tuple[ArchConfig, dict[str, Any]]:
+    """Replicate or pad heads (host NumPy) so that `tp` divides them; same outputs."""
+    lay = head_layout(arch, tp)
+    if lay.num_kv_heads == arch.num_key_value_heads:
+        return arch, params
+    kvh, D = arch.num_key_value_heads, arch.head_dim
+    group = arch.num_attention_heads // kvh
+    attn = dict(params["params"]["layers"]["self_attn"])
+
+    def q_cols(w: np.ndarray) -> np.ndarray:  # [..., kvh * group * D] (columns of q_proj / bias)
+        w = w.reshape(*w.shape[:-1], kvh, group, D)
+        if lay.replicas > 1:  # split each group among its KV head's copies
+            w = w.reshape(*w.shape[:-3], kvh * lay.replicas, group // lay.replicas, D)
+        else:
+            w = np.concatenate([w, np.zeros((*w.shape[:-3], lay.padded_groups, group, D), w.dtype)], axis=-3)
+        return w.reshape(*w.shape[:-3], -1)
+
+    def kv_cols(w: np.ndarray) -> np.ndarray:  # [..., kvh * D]
+        w = w.reshape(*w.shape[:-1], kvh, D)
+        if lay.replicas > 1:
+            w = np.repeat(w, lay.replicas, axis=-2)
+        else:
+            w = np.concatenate([w, np.zeros((*w.shape[:-2], lay.padded_groups, D), w.dtype)], axis=-2)
+        return w.reshape(*w.shape[:-2], -1)
+
+    attn["q_proj"] = {k: q_cols(v) for k, v in attn["q_proj"].items()}
+    attn["k_proj"] = {k: kv_cols(v) for k, v in attn["k_proj"].items()}
+    attn["v_proj"] = {k: kv_cols(v) for k, v in attn["v_proj"].items()}
+    o = attn["o_proj"]["kernel"]  # [L, q_heads * D, H]: rows follow q's columns
+    attn["o_proj"] = {"kernel": np.swapaxes(q_cols(np.swapaxes(o, -1, -2)), -1, -2)}
+    layers = dict(params["params"]["layers"], self_attn=attn)
+    new_params = {"params": dict(params["params"], layers=layers)}
+    new_arch = dataclasses.replace(arch, num_key_value_heads=lay.num_kv_heads, num_attention_heads=lay.num_q_heads)
+    return new_arch, new_params

@@ -66,7 +66,10 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
 def build_stages(
     arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str
 ) -> list[Stage]:
-    """Split, place (with each stage's tensor-parallel shardings) and wrap every stage."""
+    """Split, place (with each stage's tensor-parallel shardings) and wrap every stage.
+
+    `host_params` are NumPy arrays, or (one stage only) jax Arrays already sharded.
+    """
     pp, tp = mesh.shape["stage"], mesh.shape["model"]
     ranges = split_layers(arch.num_hidden_layers, pp)
     stages = []
@@ -76,6 +79,8 @@ def build_stages(
         host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
         model = LlamaForCausalLM(cfg, dtype, attention_backend, sub if tp > 1 else None)
-        params = jax.device_put(host, param_shardings(host, sub))
+        # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
+        placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
+        params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages

@@ -18,12 +18,13 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
-from jaxserve.model_files import ModelFiles, resolve_model
+from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
 from jaxserve.models.loaders import load_checkpoint
+from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import build_stages
-from jaxserve.parallel.sharding import adapt_heads, kv_cache_sharding
+from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
 from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner, StepHandle
 
@@ -65,15 +66,27 @@ class Worker:
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
-        self.arch, host_params = load_checkpoint(self.model_files, self.dtype)
-        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         tp = self.config.parallel_config.tensor_parallel_size
+        self.arch, host_params = self._read_weights(tp)
+        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         self.stages = build_stages(
             self.run_arch, host_params, self.mesh, self.dtype, self.config.attention_backend
         )
         self.timings["load_s"] = time.perf_counter() - t0
+
+    def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
+        """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and
+        no pipeline split, device arrays restored straight into their shardings."""
+        files, pc = self.model_files, self.config.parallel_config
+        if files.format == ModelFormat.ORBAX and pc.pipeline_parallel_size == 1:
+            arch = read_orbax_arch(files.path)
+            lay = head_layout(arch, tp)
+            if lay.num_kv_heads == arch.num_key_value_heads:
+                shardings = param_shardings(orbax_param_shapes(files.path), self.mesh)
+                return arch, restore_orbax(files.path, self.dtype, shardings)
+        return load_checkpoint(files, self.dtype)
 
     def page_bytes(self) -> int:
         """Bytes of one KV page on the busiest device: its stage's layers, its share of heads."""

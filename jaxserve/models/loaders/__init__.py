@@ -23,7 +23,9 @@ def load_checkpoint(model: str | ModelFiles | None, dtype: Any) -> tuple[ArchCon
         from jaxserve.models.loaders.hf import load_hf_dir
 
         return load_hf_dir(files.path, dtype)
-    raise ValueError(f"{files.path}: {files.format.value} checkpoints are not supported yet")
+    from jaxserve.models.loaders.orbax_loader import read_orbax_arch, restore_orbax
+
+    return read_orbax_arch(files.path), restore_orbax(files.path, dtype)
 
 
 __all__ = ["load_checkpoint", "WeightLoadError"]

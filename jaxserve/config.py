@@ -106,12 +106,22 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Multi-host (jax.distributed); None = read JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID from the environment (default: one process).
+    distributed_coordinator_address: str | None = None
+    distributed_num_processes: int | None = None
+    distributed_process_id: int | None = None
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
             if v < 1:
-                raise ValueError(f"{f.name} must be >= 1, got {v}")
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        n, pid = self.distributed_num_processes, self.distributed_process_id
+        if n is not None and n < 1:
+            raise ValueError(f"distributed_num_processes must be >= 1, got {n}")
+        if pid is not None and n is not None and not 0 <= pid < n:
+            raise ValueError(f"distributed_process_id must be in [0, {n}), got {pid}")
 
 
 @dataclass(frozen=True)

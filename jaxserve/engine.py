@@ -14,6 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.model_files import resolve_model
+from jaxserve.parallel.distributed import LeaderWorker, run_follower
 from jaxserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -28,9 +29,8 @@ class BuiltEngine:
     timings: dict[str, float]
 
 
-def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
-    """Load, size, allocate and compile; then hand num_blocks to a new Scheduler."""
-    t0 = time.perf_counter()
+def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
+    """Load, size, allocate and compile: every process of a multi-host engine does this."""
     files = resolve_model(config.model_config.model)
     worker = Worker(config, files)
     worker.load_model()
@@ -51,10 +51,28 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:
         logger.info("compiled all buckets in %.1f s", worker.timings["compile_s"])
+    return worker, config, num_blocks
+
+
+def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEngine:
+    """Build the worker, then hand its num_blocks to a new Scheduler (process 0 only)."""
+    t0 = time.perf_counter()
+    worker, config, num_blocks = build_worker(config)
+    if worker.distributed.process_id != 0:
+        raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
+    sc = config.scheduler_config
     scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id)
     # Async scheduling keeps one step in flight while the next is prepared; with
     # pipeline stages, one per stage so that the stages overlap.
     batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1
-    core = EngineCore(scheduler, worker, batch_queue_size=batch_queue)
+    executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
+    core = EngineCore(scheduler, executor, batch_queue_size=batch_queue)
     timings = dict(worker.timings, total_s=time.perf_counter() - t0)
     return BuiltEngine(core, worker, config, num_blocks, timings)
+
+
+def run_follower_process(config: EngineConfig) -> int:
+    """Processes 1..N-1 of a multi-host engine: build the same worker, then execute
+    every step process 0 broadcasts, until it shuts down. Returns the step count."""
+    worker, _, _ = build_worker(config)
+    return run_follower(worker)

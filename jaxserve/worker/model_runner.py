@@ -40,6 +40,11 @@ from jaxserve.worker.sampler import SamplingMetadata, SamplerOutput, sample
 logger = logging.getLogger(__name__)
 
 
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated array on the host; across processes, this process's own copy."""
+    return np.asarray(x.addressable_data(0))
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PenaltyState:
@@ -89,12 +94,16 @@ class ModelRunner:
         self._num_requests_seen = 0
         # Committed to the mesh from the start: warm-up and serving must see the same
         # argument shardings, or the first real step would compile again.
-        self.last_sampled = jax.device_put(jnp.zeros((S,), jnp.int32), replicated)
+        # (From NumPy: across hosts, device_put takes host data, not another device's array.)
+        self.last_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
         self.penalties = jax.device_put(
-            PenaltyState(jnp.zeros((S, V), bool), jnp.zeros((S, V), jnp.int32)), replicated
+            PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32)), replicated
         )
         self._stage = jax.jit(self._stage_impl, static_argnums=(0,), donate_argnums=(2,))
-        self._sample = jax.jit(self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4))
+        # Sampler results are replicated so every process (multi-host) holds them whole.
+        self._sample = jax.jit(
+            self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4), out_shardings=replicated
+        )
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
 
     # ---- compiled programs -------------------------------------------------------------
@@ -228,13 +237,13 @@ class ModelRunner:
         n = len(req_ids)
         if out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        tokens = np.asarray(out.sampled)[:n].tolist()
+        tokens = _host(out.sampled)[:n].tolist()
         sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
         logprobs = None
         if (num_logprobs >= 0).any():
-            ids = np.asarray(out.logprob_token_ids)[:n]
-            lps = np.asarray(out.logprobs)[:n]
-            ranks = np.asarray(out.sampled_ranks)[:n]
+            ids = _host(out.logprob_token_ids)[:n]
+            lps = _host(out.logprobs)[:n]
+            ranks = _host(out.sampled_ranks)[:n]
             k = num_logprobs.tolist()
             logprobs = LogprobsLists(
                 token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],

@@ -22,6 +22,7 @@ from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
+from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import build_stages
 from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
@@ -58,6 +59,8 @@ class Worker:
         enable_compilation_cache()
         self.config = config
         self.model_files = model_files or resolve_model(config.model_config.model)
+        # Before anything touches a device: join the other hosts, if any.
+        self.distributed = initialize_distributed(config.parallel_config)
         self.mesh = make_mesh(config.parallel_config)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)

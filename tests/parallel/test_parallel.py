@@ -80,3 +80,32 @@ def test_orbax_round_trip_restores_sharded_on_tp2(tmp_path) -> None:
     assert s["stage0/layers/self_attn/k_proj/kernel"] == ["P(None, None, 'model')", 2]
     assert s["stage0/layers/mlp/down_proj/kernel"] == ["P(None, 'model', None)", 2]
     assert s["stage0/norm/scale"] == ["P(None,)", 2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_multi_host_matches_single_device() -> None:
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(i), port],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    line = next(l for l in outs[0][0].splitlines() if l.startswith("RESULTS "))
+    tokens = json.loads(line.removeprefix("RESULTS "))
+    assert "FOLLOWED" in outs[1][0]
+    assert tokens == run_configs("default", [(1, 1)])["1x1"]["tokens"]

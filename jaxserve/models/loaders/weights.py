@@ -64,7 +64,11 @@ def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np
 
 
 def build_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
-    """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`."""
+    """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
+
+    NOTE: leaves are plain `np.ndarray`s (never views of a memory-mapped file):
+    multi-host `device_put` accepts only exact host array types.
+    """
     dtype = np.dtype(dtype)
     L = cfg.num_hidden_layers
     layers: dict[str, Any] = {}
@@ -81,12 +85,12 @@ def build_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> di
     V, H = cfg.vocab_size, cfg.hidden_size
     params: dict[str, Any] = {
         "embed_tokens": {
-            "embedding": _fetch(get, "model.embed_tokens.weight", (V, H), source).astype(dtype)
+            "embedding": np.asarray(_fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)
         },
         "layers": layers,
-        "norm": {"scale": _fetch(get, "model.norm.weight", (H,), source).astype(dtype)},
+        "norm": {"scale": np.asarray(_fetch(get, "model.norm.weight", (H,), source), dtype)},
     }
     if not cfg.tie_word_embeddings:
         head = _fetch(get, "lm_head.weight", (V, H), source)
-        params["lm_head"] = {"kernel": np.ascontiguousarray(head.T).astype(dtype)}
+        params["lm_head"] = {"kernel": np.ascontiguousarray(head.T, dtype)}
     return {"params": params}

@@ -1,0 +1,293 @@
+"""The API server's side of the engine core: ZeroMQ sockets, output routing, liveness.
+
+    generate() ──ADD──▶ engine core ──OUTPUTS──▶ output loop ──▶ OutputProcessor
+        ▲                                                      (detokenize, stop strings)
+        └──────────── per-request asyncio.Queue ◀──────────────────────┘
+
+`generate` is an async generator: the request enters the engine on the first
+iteration and is aborted there (pages freed) when the consumer stops early,
+e.g. because the HTTP client went away. If the engine process dies, every
+in-flight request gets an EngineDeadError and `on_dead` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing.process
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from jaxserve.api_server.metrics import RequestStateStats, ServerMetrics
+from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_messages import (
+    EngineCoreMessageType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineReady,
+    decode,
+    encode,
+)
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; nothing more will be generated."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process failed before it was ready."""
+
+
+class EngineClient:
+    """Talks to one engine-core process; lives in the API server's event loop."""
+
+    def __init__(self, tokenizer: Any, process: multiprocessing.process.BaseProcess,
+                 input_address: str, output_address: str, metrics: ServerMetrics | None = None,
+                 ) -> None:
+        self.process = process
+        self.metrics = metrics
+        self.output_processor = OutputProcessor(tokenizer)
+        self._sync_ctx = zmq.Context()
+        # Input: a plain socket, so that abort() can send synchronously from a
+        # `finally` of a cancelled task (no await). HWM 0: never drop or block.
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._children: dict[str, str] = {}  # engine request id -> request id
+        self._req_stats: dict[str, RequestStateStats] = {}  # by engine request id
+        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ready: EngineReady | None = None
+        self.dead_error: str | None = None
+        self.on_dead: Callable[[str], None] | None = None
+        self._closed = False
+
+    # --- life cycle -------------------------------------------------------------------
+
+    async def wait_until_ready(self) -> EngineReady:
+        """Wait for the engine's READY; raise EngineStartupError if it dies first."""
+        while True:
+            if await self._output.poll(500):
+                kind, payload = decode(await self._output.recv())
+                if kind == EngineCoreMessageType.READY:
+                    self.ready = EngineReady.from_dict(payload)
+                    return self.ready
+                if kind == EngineCoreMessageType.STARTUP_FAILED:
+                    self.process.join(10)
+                    raise EngineStartupError(payload)
+                logger.warning("unexpected message %r before READY", kind)
+            elif not self.process.is_alive():
+                raise EngineStartupError(
+                    f"engine core process exited with code {self.process.exitcode} before it was ready")
+
+    def start(self) -> None:
+        """Start routing outputs and watching the process (call once ready)."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._output_loop(), name="engine-output-loop"))
+        loop.add_reader(self.process.sentinel, self._on_process_exit)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None
+
+    async def shutdown(self) -> None:
+        """Stop the engine process and close the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        except (RuntimeError, ValueError):
+            pass
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.process.is_alive():
+            self._send(EngineCoreRequestType.SHUTDOWN, None)
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        self._sync_ctx.term()
+
+    # --- requests ---------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, *, priority: int = 0,
+                       arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutput as it grows, the last one finished.
+
+        When several outputs arrived since the previous iteration, only the
+        newest is yielded (outputs are cumulative)."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_error)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        queue = self._add_request(request_id, prompt, prompt_token_ids, params, priority, arrival_time)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left in the engine to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                     params: SamplingParams, priority: int, arrival_time: float
+                     ) -> asyncio.Queue[RequestOutput | BaseException]:
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        requests = []
+        for cid, p in children:
+            self._children[cid] = request_id
+            self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
+            requests.append(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority).to_list())
+        self._send(EngineCoreRequestType.ADD, requests)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request here and abort its sequences in the engine (frees their pages)."""
+        child_ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort_request(request_id)
+        self._queues.pop(request_id, None)
+        for cid in child_ids:
+            self._finish_child(cid, "abort")
+        if child_ids and self.is_alive:
+            self._send(EngineCoreRequestType.ABORT, child_ids)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call one of the engine process's utility methods (e.g. reset_prefix_cache)."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_error)
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = fut
+        self._send(EngineCoreRequestType.UTILITY, [call_id, method, list(args)])
+        return await fut
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        self._input.send(encode(kind, payload), zmq.NOBLOCK)
+
+    # --- outputs ----------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                kind, payload = decode(await self._output.recv())
+                if kind == EngineCoreMessageType.OUTPUTS:
+                    self._process_outputs(payload)
+                elif kind == EngineCoreMessageType.REQUEST_ERRORS:
+                    for cid, message in payload:
+                        self._fail_request(self._children.get(cid), ValueError(message))
+                elif kind == EngineCoreMessageType.UTILITY_RESULT:
+                    call_id, result, error = payload
+                    fut = self._utility_calls.pop(call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(RuntimeError(error)) if error else fut.set_result(result)
+                elif kind == EngineCoreMessageType.ENGINE_ERROR:
+                    self._mark_dead(f"engine core failed: {payload}")
+                else:
+                    logger.error("unexpected message type %r from the engine core", kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not leave requests hanging
+            logger.exception("output loop failed")
+            self._mark_dead("the API server's output loop failed")
+
+    def _process_outputs(self, payload: dict[str, Any]) -> None:
+        outputs = [EngineCoreOutput.from_dict(d) for d in payload["outputs"]]
+        now = time.monotonic()
+        if self.metrics is not None:
+            for out in outputs:
+                s = self._req_stats.get(out.req_id)
+                if s is not None:
+                    self.metrics.record_output(s, out, now)
+        results, to_abort = self.output_processor.process_outputs(outputs)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._finish_child(out.req_id, out.finish_reason.value, now)
+        if to_abort:  # stopped by a stop string: the engine does not know yet
+            for cid in to_abort:
+                self._finish_child(cid, "stop", now)
+            self._send(EngineCoreRequestType.ABORT, to_abort)
+        for r in results:
+            queue = self._queues.get(r.request_id)
+            if queue is not None:
+                queue.put_nowait(r)
+            if r.finished:
+                self._queues.pop(r.request_id, None)
+        if payload.get("stats") is not None and self.metrics is not None:
+            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]))
+
+    def _finish_child(self, cid: str, reason: str, now: float | None = None) -> None:
+        self._children.pop(cid, None)
+        s = self._req_stats.pop(cid, None)
+        if s is not None and self.metrics is not None:
+            self.metrics.record_finished(s, reason, now)
+
+    def _fail_request(self, request_id: str | None, error: BaseException) -> None:
+        if request_id is None:
+            return
+        queue = self._queues.pop(request_id, None)
+        self.abort(request_id)  # its other sequences, if any
+        if queue is not None:
+            queue.put_nowait(error)
+
+    # --- liveness ---------------------------------------------------------------------
+
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        self.process.join(1)
+        self._mark_dead(f"engine core process died (exit code {self.process.exitcode})")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = reason
+        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        self._queues.clear()
+        for fut in self._utility_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)

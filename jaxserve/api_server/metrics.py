@@ -1,0 +1,164 @@
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix.
+
+Scheduler gauges and counters come from the engine process with each batch of
+outputs (`SchedulerStats`); per-request latencies are built here from each
+request's timestamps (vLLM's `RequestStateStats`):
+
+    arrival ─ queued ─────── scheduled ──────── first token ────── last token
+              │ queue time  │   prefill time    │   decode time    │
+    │───── time to first token ─────────────────│
+    │───── e2e latency ────────────────────────────────────────────│
+
+Engine timestamps (queued, scheduled, first token, finished) and the API
+server's share CLOCK_MONOTONIC, so they can be subtracted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.stats import SchedulerStats
+
+PREFIX = "jaxserve:"
+
+# vLLM's buckets.
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+@dataclass
+class RequestStateStats:
+    """Timestamps of one engine request (time.monotonic() seconds)."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0  # engine side
+    finished_ts: float = 0.0  # engine side
+    last_token_time: float = 0.0  # API-server side
+    num_generation_tokens: int = 0
+
+
+class ServerMetrics:
+    """Every metric of one served model, in a registry of its own."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `*_created` series, as in vLLM
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self._model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = 100%).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (pages taken back).")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                        ["model_name", "finished_reason"], registry=r)
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two outputs of a request.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time in the waiting queue.", _LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token.", _LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Decode time per output token.", _ITL_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Output length of finished requests.", _TOKEN_BUCKETS)
+
+    # --- from the engine --------------------------------------------------------------
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_stats.queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_stats.hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+
+    def record_output(self, s: RequestStateStats, out: EngineCoreOutput, now: float) -> None:
+        """One engine output of the request whose stats are `s`."""
+        for e in out.events or ():
+            if e.type == EngineCoreEventType.QUEUED and not s.queued_ts:
+                s.queued_ts = e.timestamp
+            elif e.type == EngineCoreEventType.SCHEDULED and not s.scheduled_ts:
+                s.scheduled_ts = e.timestamp
+            elif e.type == EngineCoreEventType.FIRST_TOKEN and not s.first_token_ts:
+                s.first_token_ts = e.timestamp
+            elif e.type == EngineCoreEventType.FINISHED:
+                s.finished_ts = e.timestamp
+        n = len(out.new_token_ids)
+        if not n:
+            return
+        self.generation_tokens.inc(n)
+        if s.num_generation_tokens == 0:
+            self.prompt_tokens.inc(s.num_prompt_tokens)
+            self.time_to_first_token.observe(now - s.arrival_time)
+        else:
+            self.inter_token_latency.observe(now - s.last_token_time)
+        s.num_generation_tokens += n
+        s.last_token_time = now
+
+    def record_finished(self, s: RequestStateStats, finish_reason: str, now: float | None = None) -> None:
+        """A request ended (`finish_reason` "stop", "length" or "abort")."""
+        self._request_success.labels(self._model_name, finish_reason).inc()
+        if finish_reason == "abort" or not s.num_generation_tokens:
+            return
+        now = time.monotonic() if now is None else now
+        self.e2e_request_latency.observe(now - s.arrival_time)
+        if s.queued_ts and s.scheduled_ts:
+            self.request_queue_time.observe(max(s.scheduled_ts - s.queued_ts, 0.0))
+        first_token = s.first_token_ts or s.last_token_time
+        last_token = s.finished_ts or s.last_token_time
+        if s.scheduled_ts:
+            self.request_prefill_time.observe(max(first_token - s.scheduled_ts, 0.0))
+            self.request_inference_time.observe(max(last_token - s.scheduled_ts, 0.0))
+        decode = max(last_token - first_token, 0.0)
+        self.request_decode_time.observe(decode)
+        if s.num_generation_tokens > 1:
+            self.request_time_per_output_token.observe(decode / (s.num_generation_tokens - 1))
+        self.request_prompt_tokens.observe(s.num_prompt_tokens)
+        self.request_generation_tokens.observe(s.num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

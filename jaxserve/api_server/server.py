@@ -1,0 +1,102 @@
+"""Run the server: engine-core process, readiness handshake, then uvicorn.
+
+    start the engine core (spawn) ─▶ wait for READY (num_blocks, max_model_len, timings)
+    ─▶ start routing outputs and watching the process ─▶ uvicorn accepts connections
+
+If the engine core dies, /health answers 503, in-flight requests fail, and
+the server exits with status 1 after a short grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import uvicorn
+
+from jaxserve.api_server.app import build_app
+from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
+from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.api_server.serving import ServingContext
+from jaxserve.config import EngineConfig
+from jaxserve.engine_messages import new_ipc_addresses
+from jaxserve.engine_process import launch_engine_core
+from jaxserve.model_files import resolve_model
+from jaxserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("jaxserve.api_server")
+
+# After the engine core dies: time for in-flight clients to read their error
+# (and for /health to report 503) before the server exits.
+ENGINE_DEAD_GRACE_S = 2.0
+
+
+async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Serve until interrupted; returns the process exit status."""
+    files = resolve_model(config.model_config.model)
+    tokenizer = load_tokenizer(files)
+    eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
+    names = args.served_model_name or [files.name]
+    metrics = ServerMetrics(names[0])
+    input_address, output_address = new_ipc_addresses()
+    log_level = logging.getLogger().getEffectiveLevel()
+    process = launch_engine_core(config, eos, input_address, output_address, log_level)
+    client = EngineClient(tokenizer, process, input_address, output_address, metrics)
+    logger.info("engine core process (pid %d) is loading %s", process.pid, files.path)
+    try:
+        ready = await client.wait_until_ready()
+    except EngineStartupError as e:
+        logger.error("engine core failed to start: %s", e)
+        await client.shutdown()
+        return 1
+    except BaseException:
+        await client.shutdown()
+        raise
+    t = ready.timings
+    logger.info(
+        "engine core ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d, "
+        "max_num_seqs %d (load %.1f s, compile %s)",
+        t.get("total_s", 0.0), files.name, ready.num_blocks, ready.block_size,
+        ready.max_model_len, ready.max_num_seqs, t.get("load_s", 0.0),
+        f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
+    )
+    ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
+                         model_path=files.path, max_model_len=ready.max_model_len,
+                         vocab_size=ready.vocab_size)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(ctx, metrics, on_shutdown=client.shutdown), host=args.host, port=args.port,
+        log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    ))
+    loop = asyncio.get_running_loop()
+    exit_code = 0
+
+    def on_engine_dead(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        loop.call_later(ENGINE_DEAD_GRACE_S, setattr, server, "should_exit", True)
+
+    client.on_dead = on_engine_dead
+    client.start()
+    announce = loop.create_task(_announce_when_started(server, args.host, names[0]))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        await client.shutdown()
+    if exit_code:
+        logger.error("exiting: %s", client.dead_error)
+    return exit_code
+
+
+async def _announce_when_started(server: uvicorn.Server, host: str, model: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    for s in server.servers:
+        for sock in s.sockets:
+            port = sock.getsockname()[1]
+            shown = "localhost" if host in ("0.0.0.0", "::") else host
+            logger.info("serving %s at http://%s:%d/v1 (OpenAI API; /health, /metrics)",
+                        model, shown, port)
+            return

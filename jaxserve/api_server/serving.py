@@ -1,0 +1,220 @@
+"""What the OpenAI endpoints share (vLLM's `OpenAIServing`): model check,
+prompt-length and sampling validation, errors, and the SSE plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi.responses import JSONResponse
+
+from jaxserve.api_server.engine_client import EngineClient, EngineDeadError
+from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
+from jaxserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class OpenAIError(Exception):
+    """An error to send as OpenAI's body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+def error_body(message: str, status: HTTPStatus, param: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, status.phrase),
+                                         param=param, code=int(status)))
+
+
+def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
+
+
+def error_from_exception(e: BaseException) -> OpenAIError:
+    """Map what generation can raise to an OpenAIError (ValueError: the user's fault)."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(e, ValueError) and not isinstance(e, pydantic.ValidationError):  # ours: a bug
+        return OpenAIError(str(e), HTTPStatus.BAD_REQUEST, _param_of(str(e)))
+    return OpenAIError(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams' messages start with the field name ("top_p must be ...")."""
+    word = message.split(" ", 1)[0]
+    return word if word in _FIELD_NAMES else None
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_tokens"}
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    err = error_from_exception(e)
+    return sse(error_body(err.message, err.status, err.param).model_dump_json())
+
+
+@dataclass
+class ServingContext:
+    """Everything the endpoints need to know about the served model."""
+
+    client: EngineClient
+    tokenizer: Any
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """Validate the prompt's length against max_model_len; returns max_tokens
+        (None: as many as fit, as vLLM does for chat)."""
+        n, limit = len(token_ids), self.max_model_len
+        if n == 0:
+            raise OpenAIError("prompt is empty", param="prompt")
+        if n >= limit:
+            raise OpenAIError(
+                f"prompt has {n} tokens but max_model_len is {limit} (it must leave room for at "
+                "least one output token)", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise OpenAIError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if max_tokens is None:
+            return limit - n
+        if n + max_tokens > limit:
+            raise OpenAIError(
+                f"prompt has {n} tokens and max_tokens is {max_tokens}, but max_model_len is "
+                f"{limit}: lower max_tokens to at most {limit - n}", param="max_tokens")
+        return max_tokens
+
+    def sampling_params(self, request: SamplingRequestFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        kwargs: dict[str, Any] = dict(
+            n=request.n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
+            stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+        optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                        min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+                        presence_penalty=request.presence_penalty,
+                        frequency_penalty=request.frequency_penalty)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The model's chat template applied to `messages` (text content parts joined)."""
+        conversation = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
+        if not conversation:
+            raise OpenAIError("messages must not be empty", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        except Exception as e:  # a template error is the conversation's fault
+            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def _text_content(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise OpenAIError(f"content parts of type {part.get('type')!r} are not supported "
+                              "(text only)", param="messages")
+        parts.append(part.get("text", ""))
+    return "\n".join(parts)
+
+
+def stop_holdback(request: SamplingRequestFields) -> int:
+    """Characters a stream must hold back while a stop string may be forming
+    (vLLM's stop_buffer_length): text that turns out to start a stop string
+    must never have been sent."""
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    if not stop or request.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in stop) - 1
+
+
+def visible_text_end(text: str, sent: int, finished: bool, holdback: int) -> int:
+    """How far into `text` a stream may send now."""
+    return len(text) if finished else max(len(text) - holdback, sent)
+
+
+def clamp_logprob(v: float) -> float:
+    """JSON has no -inf; vLLM reports -9999.0 instead."""
+    return max(v, -9999.0)
+
+
+async def merge_async_iterators(*iterators: AsyncGenerator[T, None]
+                                ) -> AsyncIterator[tuple[int, T]]:
+    """Yield (index, item) from several async generators as items arrive.
+    Closing this generator closes (so aborts) every one of them."""
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as it:
+            async for item in it:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def drain(i: int, it: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(it):
+                async for item in it:
+                    await queue.put((i, item))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item[1], BaseException):
+                raise item[1]
+            yield item  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,190 @@
+"""POST /v1/completions: one or more prompts (text or token ids), streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import Response, StreamingResponse
+
+from jaxserve.api_server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from jaxserve.api_server.serving import (
+    OpenAIError,
+    ServingContext,
+    clamp_logprob,
+    merge_async_iterators,
+    sse,
+    sse_error,
+    stop_holdback,
+    visible_text_end,
+)
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OpenAIServingCompletion:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_completion(self, request: CompletionRequest) -> Response:
+        """Validate, then generate; raises OpenAIError for a bad request."""
+        ctx = self.ctx
+        ctx.check_model(request.model)
+        if request.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of is not supported (it must equal n)", param="best_of")
+        if request.echo and request.logprobs is not None:
+            raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not "
+                              "computed)", param="echo")
+        prompts = self._prompts(request.prompt)
+        gens: list[AsyncGenerator[RequestOutput, None]] = []
+        arrival = time.monotonic()
+        request_id = f"cmpl-{random_uuid()}"
+        params_list = []
+        for _, ids in prompts:
+            max_tokens = ctx.check_prompt(ids, request.max_tokens)
+            params_list.append(ctx.sampling_params(request, max_tokens, request.logprobs))
+        for i, ((text, ids), params) in enumerate(zip(prompts, params_list)):
+            gens.append(ctx.client.generate(f"{request_id}-{i}", text, ids, params,
+                                            priority=request.priority, arrival_time=arrival))
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, created, prompts, gens),
+                                     media_type="text/event-stream")
+        final: list[RequestOutput | None] = [None] * len(prompts)
+        async with aclosing(merge_async_iterators(*gens)) as results:
+            async for i, res in results:
+                final[i] = res
+        return Response(self._full_response(request, request_id, created, prompts, final)
+                        .model_dump_json(), media_type="application/json")
+
+    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        out: list[tuple[str | None, list[int]]] = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self.ctx.tokenizer(p).input_ids))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    def _prompt_text(self, prompts: list[tuple[str | None, list[int]]], i: int) -> str:
+        text, ids = prompts[i]
+        return text if text is not None else self.ctx.tokenizer.decode(ids)
+
+    def _full_response(self, request: CompletionRequest, request_id: str, created: int,
+                       prompts: list[tuple[str | None, list[int]]],
+                       final: list[RequestOutput | None]) -> CompletionResponse:
+        choices, num_generated = [], 0
+        for i, res in enumerate(final):
+            assert res is not None
+            for out in res.outputs:
+                text = out.text
+                if request.echo:
+                    text = self._prompt_text(prompts, i) + text
+                lps = None
+                if request.logprobs is not None and out.logprobs is not None:
+                    lps = completion_logprobs(out.token_ids, out.logprobs, 0)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + out.index, text=text, logprobs=lps,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                num_generated += len(out.token_ids)
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(
+            id=request_id, created=created, model=self.ctx.model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                            total_tokens=num_prompt + num_generated))
+
+    async def _stream(self, request: CompletionRequest, request_id: str, created: int,
+                      prompts: list[tuple[str | None, list[int]]],
+                      gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[str]:
+        n, model = request.n, self.ctx.model_name
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        exclude = None if include_usage else {"usage"}
+        # Per choice: characters and tokens already sent, finished or not.
+        sent_chars = [[0] * n for _ in prompts]
+        sent_tokens = [[0] * n for _ in prompts]
+        done = [[False] * n for _ in prompts]
+        holdback = stop_holdback(request)
+        try:
+            async with aclosing(merge_async_iterators(*gens)) as results:
+                async for i, res in results:
+                    choices = []
+                    for out in res.outputs:
+                        choice = self._delta(request, prompts, i, out, sent_chars[i],
+                                             sent_tokens[i], done[i], holdback)
+                        if choice is not None:
+                            choices.append(choice)
+                    if choices:
+                        chunk = CompletionStreamResponse(id=request_id, created=created,
+                                                         model=model, choices=choices)
+                        yield sse(chunk.model_dump_json(exclude=exclude))
+            if include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                num_generated = sum(map(sum, sent_tokens))
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                    total_tokens=num_prompt + num_generated))
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+    def _delta(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
+               i: int, out: CompletionOutput, sent_chars: list[int], sent_tokens: list[int],
+               done: list[bool], holdback: int) -> CompletionResponseChoice | None:
+        """What choice `out` adds since the previous chunk, or None if nothing."""
+        k = out.index
+        if done[k]:
+            return None
+        finished = out.finish_reason is not None
+        end = visible_text_end(out.text, sent_chars[k], finished, holdback)
+        text = out.text[sent_chars[k]:end]
+        new_tokens = out.token_ids[sent_tokens[k]:]
+        if request.echo and sent_chars[k] == 0 and sent_tokens[k] == 0:
+            text = self._prompt_text(prompts, i) + text
+        if not text and not new_tokens and not finished:
+            return None
+        lps = None
+        if request.logprobs is not None and out.logprobs is not None:
+            lps = completion_logprobs(new_tokens, out.logprobs[sent_tokens[k]:len(out.token_ids)],
+                                      sent_chars[k])
+        sent_chars[k] = end
+        sent_tokens[k] = len(out.token_ids)
+        done[k] = finished
+        return CompletionResponseChoice(index=i * request.n + k, text=text, logprobs=lps,
+                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        text_offset: int) -> CompletionLogProbs:
+    """OpenAI's legacy logprobs: per token its text, offset, logprob and top candidates
+    (the sampled token included, as vLLM does)."""
+    result = CompletionLogProbs()
+    for tid, entry in zip(token_ids, logprobs):
+        sampled = entry[tid]
+        token = sampled.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(clamp_logprob(sampled.logprob))
+        result.text_offset.append(text_offset)
+        result.top_logprobs.append(
+            {(lp.decoded_token or ""): clamp_logprob(lp.logprob) for lp in entry.values()})
+        text_offset += len(token)
+    return result

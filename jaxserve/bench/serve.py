@@ -1,0 +1,220 @@
+"""Online serving benchmark, shaped like `vllm bench serve`:
+
+    python -m jaxserve.bench serve --base-url http://127.0.0.1:8000 --num-prompts 256 \
+        --max-concurrency 64 --random-input-len 32 --random-output-len 256
+
+Random prompts of exactly `--random-input-len` tokens (random token ids,
+decoded to text), streamed through `/v1/completions` with `ignore_eos` so
+each request generates exactly `--random-output-len` tokens. Works against
+any OpenAI-compatible server (vLLM's `ignore_eos` is an extension; servers
+without it stop early and report fewer output tokens). Reports request and
+output throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end
+latency, as text and (with --output-json) JSON. JAX-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF directory or .gguf for building prompts (default: the default model's)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals (inf: all at once)")
+    p.add_argument("--random-input-len", type=int, default=32)
+    p.add_argument("--random-output-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-ids", action="store_true",
+                   help="send prompts as token ids instead of text")
+    p.add_argument("--output-json", default=None)
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
+    """(prompt, length in tokens): random token ids, re-encoded until the text
+    has exactly --random-input-len tokens (what vLLM's random dataset does)."""
+    from jaxserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    rng = np.random.default_rng(args.seed)
+    vocab = len(tok)
+    n = args.random_input_len
+    prompts: list[tuple[str | list[int], int]] = []
+    for _ in range(args.num_prompts):
+        ids = rng.integers(100, vocab - 100, n).tolist()
+        if args.token_ids:
+            prompts.append((ids, n))
+            continue
+        for _ in range(8):  # decoding and re-encoding can merge or split tokens
+            text = tok.decode(ids)
+            ids = tok(text, add_special_tokens=False).input_ids
+            if len(ids) >= n:
+                ids = ids[:n]
+            else:
+                ids = ids + rng.integers(100, vocab - 100, n - len(ids)).tolist()
+        text = tok.decode(ids)
+        prompts.append((text, len(tok(text, add_special_tokens=False).input_ids)))
+    return prompts
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       prompt_len: int) -> RequestResult:
+    """One streaming completion, timed per chunk like vLLM's benchmark."""
+    result = RequestResult(prompt_len=prompt_len)
+    start = last = time.perf_counter()
+    text = ""
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    text += chunk["choices"][0].get("text") or ""
+                elif chunk.get("usage"):
+                    result.output_tokens = chunk["usage"].get("completion_tokens") or 0
+        result.latency = time.perf_counter() - start
+        result.success = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = make_prompts(args)
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        model = args.model or (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        url = f"{base}{args.endpoint}"
+
+        def body(prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+        test = await send_request(client, url, body(prompts[0][0], 8), prompts[0][1])
+        if not test.success:
+            raise SystemExit(f"the test request failed: {test.error}")
+        sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        rng = np.random.default_rng(args.seed)
+
+        async def limited(prompt: str | list[int], n: int) -> RequestResult:
+            async with sem:
+                return await send_request(client, url, body(prompt, args.random_output_len), n)
+
+        print(f"Traffic: {len(prompts)} requests, request rate {args.request_rate}, "
+              f"max concurrency {args.max_concurrency}")
+        start = time.perf_counter()
+        tasks = []
+        for prompt, n in prompts:
+            tasks.append(asyncio.create_task(limited(prompt, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return calculate_metrics(args, model, results, duration)
+
+
+def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+    v = np.asarray(values_s or [0.0]) * 1000.0
+    return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+            f"std_{name}_ms": float(v.std()), f"p99_{name}_ms": float(np.percentile(v, 99))}
+
+
+def calculate_metrics(args: argparse.Namespace, model: str, results: list[RequestResult],
+                      duration: float) -> dict[str, Any]:
+    """vLLM's summary: TPOT per request = (latency - TTFT) / (output tokens - 1)."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out: dict[str, Any] = {
+        "model": model, "num_prompts": len(results), "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate, "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("tpot", tpots),
+        **_stats("itl", [x for r in ok for x in r.itl]),
+        **_stats("e2el", [r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+    }
+    return out
+
+
+def print_report(m: dict[str, Any]) -> None:
+    line = "=" * 50
+    print(f"{' Serving Benchmark Result ':=^50}")
+    rows = [
+        ("Successful requests:", m["completed"]), ("Failed requests:", m["failed"]),
+        ("Maximum request concurrency:", m["max_concurrency"]),
+        ("Benchmark duration (s):", f"{m['duration']:.2f}"),
+        ("Total input tokens:", m["total_input_tokens"]),
+        ("Total generated tokens:", m["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
+    ]
+    for k, v in rows:
+        print(f"{k:<40}{v!s:<10}")
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print(f"{title:-^50}")
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
+            print(f"{label:<40}{m[f'{stat}_{key}_ms']:<10.2f}")
+    print(line)
+    for e in m["errors"]:
+        print(f"error: {e}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    metrics = asyncio.run(benchmark(args))
+    print_report(metrics)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(metrics, f, indent=2)
+    return metrics

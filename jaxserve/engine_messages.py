@@ -1,0 +1,100 @@
+"""Messages between the API server and the engine-core process (ZeroMQ + msgpack).
+
+Two PUSH/PULL pairs, both bound by the API server (it outlives the engine):
+
+    API server  PUSH ──[ADD | ABORT | UTILITY]──────────────────▶ PULL  engine core
+    API server  PULL ◀─[READY | OUTPUTS | UTILITY_RESULT | ...]── PUSH  engine core
+
+Every frame is `msgpack([type, payload])`, made only of lists, dicts, str,
+int, float and None. JAX-free: both processes import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(enum.IntEnum):
+    """API server -> engine core (vLLM's names)."""
+
+    ADD = 0  # payload: [EngineCoreRequest.to_list(), ...]
+    ABORT = 1  # payload: [engine request id, ...]
+    UTILITY = 2  # payload: [call_id, method, args]
+    SHUTDOWN = 3  # payload: None; the engine core leaves its loop and exits
+
+
+class EngineCoreMessageType(enum.IntEnum):
+    """Engine core -> API server."""
+
+    READY = 0  # payload: EngineReady.to_dict()
+    OUTPUTS = 1  # payload: {"outputs": [EngineCoreOutput.to_dict()], "stats": dict | None}
+    UTILITY_RESULT = 2  # payload: [call_id, result, error message or None]
+    REQUEST_ERRORS = 3  # payload: [[engine request id, message], ...]: add_request refused
+    STARTUP_FAILED = 4  # payload: error message; the process exits next
+    ENGINE_ERROR = 5  # payload: error message; the process exits next
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence to generate, as the engine core receives it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic() in the API server (same clock in both processes)
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def to_list(self) -> list[Any]:
+        params = {f.name: getattr(self.sampling_params, f.name)
+                  for f in dataclasses.fields(SamplingParams)}
+        return [self.req_id, self.prompt_token_ids, params, self.arrival_time, self.priority,
+                self.cache_salt]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> EngineCoreRequest:
+        return cls(v[0], v[1], SamplingParams(**v[2]), v[3], v[4], v[5])
+
+
+@dataclass
+class EngineReady:
+    """What the engine core tells the API server once it can serve."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    timings: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineReady:
+        return cls(**d)
+
+
+def encode(kind: int, payload: Any) -> bytes:
+    return msgpack.packb([int(kind), payload], use_bin_type=True)
+
+
+def decode(frame: bytes) -> tuple[int, Any]:
+    kind, payload = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    return kind, payload
+
+
+def new_ipc_addresses() -> tuple[str, str]:
+    """Fresh ipc:// endpoints (input, output) for one engine core."""
+    base = os.path.join(tempfile.gettempdir(), f"jaxserve-{uuid.uuid4().hex[:12]}")
+    return f"ipc://{base}-in", f"ipc://{base}-out"

@@ -1,0 +1,204 @@
+"""The engine-core process: the busy loop between ZeroMQ and `EngineCore`.
+
+    while True:
+        drain the input socket (block only when there is no work)
+        outputs = core.step_with_batch_queue()     # schedule, execute, update
+        send outputs + scheduler stats
+
+`python -m jaxserve.serve` starts it with multiprocessing (spawn) through
+`launch_engine_core`. This module's top level stays JAX-free so that the API
+server can import it to start the process; JAX is imported in the child by
+`run_engine_core` (through jaxserve.engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
+from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.request import Request
+from jaxserve.engine_messages import (
+    EngineCoreMessageType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineReady,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("jaxserve.engine_core")
+
+# While idle, wake up this often to check that the API server is still alive.
+PARENT_CHECK_INTERVAL_MS = 1000
+
+
+class EngineCoreProc:
+    """Runs one EngineCore behind a PULL (input) and a PUSH (output) socket."""
+
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 parent_pid: int) -> None:
+        self.core = core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+        # Scheduler stats changed since they were last sent (requests came or went).
+        self.stats_dirty = False
+        self.utilities: dict[str, Callable[..., Any]] = {
+            "reset_prefix_cache": core.scheduler.reset_prefix_cache,
+            "ping": lambda: "pong",
+        }
+
+    def run_busy_loop(self) -> None:
+        """Serve until told to shut down or the parent goes away."""
+        core = self.core
+        step = core.step_with_batch_queue if core.batch_queue_size > 1 else core.step
+        while True:
+            if not self.process_input_queue():
+                return
+            if not core.has_work():
+                continue
+            outputs = step()
+            if outputs is None:  # only dispatched; the next turn collects
+                continue
+            if outputs:
+                self.send_outputs(outputs)
+            else:
+                self.stats_dirty = True
+
+    def process_input_queue(self) -> bool:
+        """Handle every pending message; block while there is no work.
+        False when told to shut down or when the API server has gone away."""
+        if not self.core.has_work():
+            if self.stats_dirty:
+                self.send_outputs([])  # the gauges must read idle (running 0, pages freed)
+            while not self.poller.poll(PARENT_CHECK_INTERVAL_MS):
+                if not self._parent_alive():
+                    return False
+        elif not self._parent_alive():  # a getppid() per step: cheap
+            return False
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return True
+            kind, payload = decode(frame)
+            if kind == EngineCoreRequestType.SHUTDOWN:
+                return False
+            self.handle_message(kind, payload)
+
+    def _parent_alive(self) -> bool:
+        # Orphans are re-parented (to init or a subreaper): the pid changes.
+        if os.getppid() == self.parent_pid:
+            return True
+        logger.warning("API server (pid %d) is gone; engine core exits", self.parent_pid)
+        return False
+
+    def handle_message(self, kind: int, payload: Any) -> None:
+        if kind in (EngineCoreRequestType.ADD, EngineCoreRequestType.ABORT):
+            self.stats_dirty = True
+        if kind == EngineCoreRequestType.ADD:
+            errors = []
+            for item in payload:
+                try:
+                    req = EngineCoreRequest.from_list(item)
+                    self.core.add_request(Request(
+                        req.req_id, req.prompt_token_ids, req.sampling_params,
+                        arrival_time=req.arrival_time, priority=req.priority,
+                        cache_salt=req.cache_salt,
+                    ))
+                except (ValueError, TypeError, IndexError) as e:
+                    # A bad request must not take the engine down.
+                    errors.append([str(item[0]), str(e)])
+            if errors:
+                self.output_socket.send(encode(EngineCoreMessageType.REQUEST_ERRORS, errors))
+        elif kind == EngineCoreRequestType.ABORT:
+            self.core.abort_requests(payload)
+        elif kind == EngineCoreRequestType.UTILITY:
+            call_id, method, args = payload
+            result, error = None, None
+            try:
+                result = self.utilities[method](*args)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                error = f"{type(e).__name__}: {e}"
+            self.output_socket.send(
+                encode(EngineCoreMessageType.UTILITY_RESULT, [call_id, result, error]))
+        else:
+            logger.error("unknown message type %r", kind)
+
+    def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        payload = {"outputs": [o.to_dict() for o in outputs],
+                   "stats": self.core.get_stats().to_dict()}
+        self.output_socket.send(encode(EngineCoreMessageType.OUTPUTS, payload))
+        self.stats_dirty = False
+
+
+def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
+                    output_address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine-core process: build, handshake, serve."""
+    # Ctrl-C reaches the whole process group; the API server shuts this process down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine core] "
+                        "%(name)s: %(message)s", datefmt="%H:%M:%S")
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.RCVHWM, 0)
+    input_socket.connect(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_address)
+    try:
+        from jaxserve.engine import build_engine_core  # imports JAX
+
+        built = build_engine_core(config, eos_token_id)
+        freeze_gc_heap()  # a dedicated process: start-up objects never need collecting
+        sc = built.config.scheduler_config
+        ready = EngineReady(
+            num_blocks=built.num_blocks, block_size=built.config.cache_config.block_size,
+            max_model_len=sc.max_model_len, vocab_size=built.worker.arch.vocab_size,
+            max_num_seqs=sc.max_num_seqs, timings=built.timings,
+        )
+    except Exception as e:  # noqa: BLE001 - reported to the API server, then exit
+        logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        output_socket.send(encode(EngineCoreMessageType.STARTUP_FAILED, f"{type(e).__name__}: {e}"))
+        output_socket.close()
+        sys.exit(1)
+    output_socket.send(encode(EngineCoreMessageType.READY, ready.to_dict()))
+    proc = EngineCoreProc(built.core, input_socket, output_socket, parent_pid)
+    try:
+        proc.run_busy_loop()
+    except Exception as e:  # noqa: BLE001 - the API server fails in-flight requests
+        logger.error("engine core died:\n%s", traceback.format_exc())
+        output_socket.send(encode(EngineCoreMessageType.ENGINE_ERROR, f"{type(e).__name__}: {e}"))
+        output_socket.close()
+        sys.exit(1)
+    input_socket.close(linger=0)
+    output_socket.close(linger=0)
+    ctx.term()
+
+
+def launch_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
+                       output_address: str, log_level: int = logging.INFO
+                       ) -> multiprocessing.process.BaseProcess:
+    """Start the engine-core process (spawn: a fresh interpreter, JAX imported only there)."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(
+        target=run_engine_core, name="EngineCore",
+        args=(config, eos_token_id, input_address, output_address, os.getpid(), log_level),
+        daemon=True,
+    )
+    proc.start()
+    return proc

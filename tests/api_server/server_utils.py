@@ -1,0 +1,106 @@
+"""Start `python -m jaxserve.serve` as a subprocess on a free port (vLLM's RemoteOpenAIServer)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The settings of the end-to-end tests (and of the in-process LLM they compare with).
+SMALL_ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16",
+                     "--kv-cache-memory-bytes", str(256 << 20)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """A running server; `stop()` (or the context manager) ends it."""
+
+    def __init__(self, args: list[str], start_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxserve-server-", suffix=".log",
+                                               delete=False)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--disable-uvicorn-access-log", *args],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._wait_until_healthy(start_timeout)
+
+    def _wait_until_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.read_log()}")
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key="EMPTY", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key="EMPTY", max_retries=0, **kw)
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def engine_pid(self) -> int:
+        m = re.search(r"engine core process \(pid (\d+)\)", self.read_log())
+        assert m, self.read_log()
+        return int(m.group(1))
+
+    def metrics(self) -> dict[str, float]:
+        """Every unlabelled-by-bucket sample of /metrics, keyed by name (labels dropped)."""
+        text = httpx.get(self.url("/metrics"), timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{", 1)[0]
+            if name.endswith("_bucket"):
+                continue
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,324 @@
+"""End-to-end: the real server (default model) in a subprocess, driven by the `openai` client.
+
+One server for the whole module (started once, ~15 s); the greedy-equality
+test also builds an in-process `LLM` with the same engine settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "1, 2, 3, 4,",
+]
+HI = [{"role": "user", "content": "Hi!"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer(SMALL_ENGINE_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client()
+
+
+def post(server: RemoteServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url(path), json=body, timeout=60)
+
+
+# --- basics -----------------------------------------------------------------------------
+
+
+def test_models_version_health(server: RemoteServer, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 512
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/version")).json()["version"]
+
+
+def test_greedy_text_equals_llm_generate(server: RemoteServer, client: openai.OpenAI) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    greedy = dict(temperature=0.0, max_tokens=24)
+    served = client.completions.create(model=MODEL, prompt=PROMPTS, extra_body={"ignore_eos": True},
+                                       **greedy)
+    chat = client.chat.completions.create(model=MODEL, messages=HI, **greedy)
+    llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+    offline = llm.generate(PROMPTS, SamplingParams(ignore_eos=True, **greedy), use_tqdm=False)
+    offline_chat = llm.chat(HI, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    del llm
+    assert [c.text for c in sorted(served.choices, key=lambda c: c.index)] == \
+        [o.outputs[0].text for o in offline]
+    assert served.usage.completion_tokens == 24 * len(PROMPTS)
+    assert chat.choices[0].message.content == offline_chat.text
+    assert chat.choices[0].finish_reason == offline_chat.finish_reason
+
+
+def test_completion_stream_equals_non_stream(server: RemoteServer, client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0.0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+    # The raw stream is SSE ending with [DONE].
+    with httpx.stream("POST", server.url("/v1/completions"), json={**kw, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, messages=HI, max_tokens=30, temperature=0.0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens > 0
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], n=3, max_tokens=12, temperature=1.0,
+                                  seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 36
+    assert len({c.text for c in r.choices}) > 1  # seed + i per choice
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, n=2, max_tokens=8,
+                                                 temperature=1.0, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert all(texts.values())
+    # Two prompts x two choices.
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+
+
+def test_stop_strings_and_stop_token_ids(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0.0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[6:10]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+    kept = client.completions.create(stop=[stop], extra_body={"include_stop_str_in_output": True},
+                                     **kw).choices[0]
+    assert kept.text == full[: full.index(stop) + len(stop)]
+    tok = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                     json={"prompt": full, "add_special_tokens": False}).json()["tokens"]
+    r = client.completions.create(extra_body={"stop_token_ids": [tok[3]]}, **kw).choices[0]
+    assert r.finish_reason == "stop" and r.model_extra["stop_reason"] == tok[3]
+
+
+def test_seeds_and_vllm_sampling_fields(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0)
+    a = client.completions.create(seed=42, **kw).choices[0].text
+    b = client.completions.create(seed=42, **kw).choices[0].text
+    c = client.completions.create(seed=43, **kw).choices[0].text
+    assert a == b and a != c
+    extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, priority=1, ignore_eos=True)
+    r = client.completions.create(seed=1, extra_body=extra, **kw)
+    assert r.usage.completion_tokens == 16
+    # min_tokens keeps EOS away: "Hi!" is answered in ~10 tokens otherwise.
+    short = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=40, temperature=0)
+    assert short.choices[0].finish_reason == "stop"
+    n = short.usage.completion_tokens
+    longer = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=40, temperature=0,
+                                            extra_body={"min_tokens": n + 5})
+    assert longer.usage.completion_tokens >= n + 5
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(3 <= len(t) <= 4 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # Greedy: the sampled token is the most likely one.
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(8))
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_echo(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(PROMPTS[0]) and len(r.choices[0].text) > len(PROMPTS[0])
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: openai.OpenAI) -> None:
+    t = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512
+    assert post(server, "/detokenize", {"tokens": t["tokens"]}).json()["prompt"] == PROMPTS[0]
+    by_ids = client.completions.create(model=MODEL, prompt=t["tokens"], max_tokens=8, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    chat_t = post(server, "/tokenize", {"messages": HI}).json()
+    assert chat_t["count"] == client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=1).usage.prompt_tokens
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model", ["nope"]),
+    ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404, "model", ["nope"]),
+    ("/v1/completions", {"prompt": "x " * 600}, 400, "prompt", ["601", "512"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens", ["600", "512"]),
+    ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p", ["top_p"]),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature"]),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", ["logprobs"]),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", ["max_tokens"]),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", ["prompt"]),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", ["49152"]),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs", ["20"]),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", ["messages"]),
+    ("/v1/chat/completions", {"messages": HI, "stop": [""]}, 400, "stop", ["stop"]),
+])
+def test_errors(server: RemoteServer, path: str, body: dict, status: int, param: str,
+                words: list[str]) -> None:
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["param"] == param, err
+    assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_errors_through_the_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_model_len is 512"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 600}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", stream=True, extra_body={"top_k": -5})
+
+
+# --- disconnects, load, metrics -----------------------------------------------------------
+
+
+def _wait_idle(server: RemoteServer, timeout: float = 15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+                and m["jaxserve:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        assert server.metrics()["jaxserve:num_requests_running"] == 1
+    # Leaving the block closed the connection mid-stream.
+    m = _wait_idle(server)
+    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
+    assert m["jaxserve:generation_tokens_total"] > 0
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), timeout=1.5,
+                   json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True})
+    m = _wait_idle(server)
+    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
+
+
+def test_64_concurrent_streams_all_complete(server: RemoteServer) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"{PROMPTS[i % 4]} {i}", max_tokens=12, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage, reason = 0, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return usage, reason
+
+    async def main() -> list[tuple[int, str | None]]:
+        client = server.async_client(timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert results == [(12, "length")] * 64
+    _wait_idle(server)
+
+
+def test_metrics(server: RemoteServer) -> None:
+    m = server.metrics()
+    names = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+             "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+             "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+             "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+             "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+             "request_decode_time_seconds_count"]
+    for name in names:
+        assert f"jaxserve:{name}" in m, name
+    assert m["jaxserve:e2e_request_latency_seconds_count"] >= 64
+    assert m["jaxserve:time_to_first_token_seconds_sum"] > 0
+    assert m["jaxserve:prefix_cache_hits_total"] > 0  # repeated prompts above
+    assert m["jaxserve:prompt_tokens_total"] > 0 and m["jaxserve:generation_tokens_total"] > 64 * 12
+    assert json.loads(json.dumps(m))  # plain numbers
+
+
+def test_bench_serve_reports_what_vllm_reports(server: RemoteServer, tmp_path) -> None:
+    from jaxserve.bench.__main__ import main as bench_main
+
+    out = tmp_path / "bench.json"
+    bench_main(["serve", "--base-url", server.base_url, "--num-prompts", "4", "--max-concurrency", "2",
+                "--random-input-len", "16", "--random-output-len", "8", "--output-json", str(out)])
+    m = json.loads(out.read_text())
+    assert m["completed"] == 4 and m["failed"] == 0
+    assert m["total_output_tokens"] == 32 and 60 <= m["total_input_tokens"] <= 68
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            assert m[f"{stat}_{key}_ms"] > 0
+    assert m["request_throughput"] > 0 and m["output_throughput"] > 0

@@ -146,8 +146,10 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
-                    output_address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+                    output_address: str, parent_pid: int, log_level: int = logging.INFO,
+                    dp_rank: int = 0) -> None:
     """Entry point of the engine-core process: build, handshake, serve."""
+    select_rank_devices(dp_rank, config.parallel_config.data_parallel_size)
     # Ctrl-C reaches the whole process group; the API server shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine core] "
@@ -190,14 +192,32 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
     ctx.term()
 
 
+def select_rank_devices(dp_rank: int, dp_size: int) -> None:
+    """Before JAX starts: give this data-parallel rank its own devices.
+
+    The rank index reaches make_mesh through JAXSERVE_DP_RANK (it picks the
+    rank's slice when every device is visible); on GPUs, the rank's slice of
+    CUDA_VISIBLE_DEVICES also keeps XLA from reserving memory on the others'.
+    """
+    os.environ["JAXSERVE_DP_RANK"] = str(dp_rank)
+    os.environ["JAXSERVE_DP_SIZE"] = str(dp_size)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if dp_size > 1 and visible:
+        ids = visible.split(",")
+        per = len(ids) // dp_size
+        if per:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[dp_rank * per : (dp_rank + 1) * per])
+            os.environ["JAXSERVE_DP_SIZE"] = "1"  # the slice is all this process sees
+
+
 def launch_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
-                       output_address: str, log_level: int = logging.INFO
+                       output_address: str, log_level: int = logging.INFO, dp_rank: int = 0,
                        ) -> multiprocessing.process.BaseProcess:
     """Start the engine-core process (spawn: a fresh interpreter, JAX imported only there)."""
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
-        target=run_engine_core, name="EngineCore",
-        args=(config, eos_token_id, input_address, output_address, os.getpid(), log_level),
+        target=run_engine_core, name=f"EngineCore_DP{dp_rank}",
+        args=(config, eos_token_id, input_address, output_address, os.getpid(), log_level, dp_rank),
         daemon=True,
     )
     proc.start()

@@ -12,14 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SchedulingPolicy,
-)
+from jaxserve.config import make_engine_config
 from jaxserve.engine import build_engine_core
 from jaxserve.engine_core.request import Request
 from jaxserve.model_files import resolve_model
@@ -29,59 +22,6 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
-
-
-def make_engine_config(
-    model: str | None = None,
-    *,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    num_gpu_blocks_override: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enforce_eager: bool = False,
-    seed: int = 0,
-    attention_backend: str = "reference",
-    async_scheduling: bool = True,
-    scheduling_policy: str = "fcfs",
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    distributed_coordinator_address: str | None = None,
-    distributed_num_processes: int | None = None,
-    distributed_process_id: int | None = None,
-) -> EngineConfig:
-    """vLLM's engine arguments -> a validated EngineConfig (every process of a
-    multi-host engine builds the same one)."""
-    return EngineConfig(
-        model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-        cache_config=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len or 1,  # resolved from the model by the worker
-            policy=SchedulingPolicy(scheduling_policy),
-            async_scheduling=async_scheduling,
-        ),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            distributed_coordinator_address=distributed_coordinator_address,
-            distributed_num_processes=distributed_num_processes,
-            distributed_process_id=distributed_process_id,
-        ),
-        enforce_eager=enforce_eager,
-        attention_backend=attention_backend,
-    )
 
 
 class LLM:

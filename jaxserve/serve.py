@@ -13,14 +13,7 @@ import asyncio
 import logging
 import sys
 
-from jaxserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SchedulingPolicy,
-)
+from jaxserve.config import EngineConfig, SchedulingPolicy, make_engine_config
 from jaxserve.model_files import resolve_model
 
 
@@ -58,33 +51,26 @@ def make_arg_parser() -> argparse.ArgumentParser:
     engine.add_argument("--attention-backend", default="reference")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine-core processes, each with its own devices, KV cache and scheduler")
     return p
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen EngineConfig (raises ValueError naming the bad flag's field)."""
-    return EngineConfig(
-        model_config=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                 seed=args.seed,
-                                 served_model_name=(args.served_model_name or [None])[0]),
-        cache_config=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            # Resolved from the model by the engine when --max-model-len is not given.
-            max_model_len=args.max_model_len or 1,
-            policy=SchedulingPolicy(args.scheduling_policy),
-            async_scheduling=args.async_scheduling,
-        ),
-        parallel_config=ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size),
-        enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
+    return make_engine_config(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        served_model_name=(args.served_model_name or [None])[0],
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
     )
 
 

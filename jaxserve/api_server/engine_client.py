@@ -54,8 +54,9 @@ class EngineClient:
 
     def __init__(self, tokenizer: Any, process: multiprocessing.process.BaseProcess,
                  input_address: str, output_address: str, metrics: ServerMetrics | None = None,
-                 ) -> None:
+                 engine_index: int = 0) -> None:
         self.process = process
+        self.engine_index = engine_index  # data-parallel rank
         self.metrics = metrics
         self.output_processor = OutputProcessor(tokenizer)
         self._sync_ctx = zmq.Context()
@@ -255,7 +256,7 @@ class EngineClient:
             if r.finished:
                 self._queues.pop(r.request_id, None)
         if payload.get("stats") is not None and self.metrics is not None:
-            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]))
+            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]), self.engine_index)
 
     def _finish_child(self, cid: str, reason: str, now: float | None = None) -> None:
         self._children.pop(cid, None)

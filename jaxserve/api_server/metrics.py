@@ -64,6 +64,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
         self._model_name = model_name
+        self._engine_stats: dict[int, SchedulerStats] = {}  # latest, per data-parallel rank
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
@@ -82,6 +83,8 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (pages taken back).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._routed = Counter(PREFIX + "engine_requests_routed", "Requests sent to each data-parallel engine.",
+                               ["model_name", "engine"], registry=r)
         self._request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
                                         ["model_name", "finished_reason"], registry=r)
         self.time_to_first_token = histogram(
@@ -107,10 +110,16 @@ class ServerMetrics:
 
     # --- from the engine --------------------------------------------------------------
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+    def record_routed(self, engine_index: int) -> None:
+        self._routed.labels(self._model_name, str(engine_index)).inc()
+
+    def record_scheduler_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
+        """Gauges sum (requests) or average (KV usage) over data-parallel engines."""
+        self._engine_stats[engine_index] = stats
+        latest = self._engine_stats.values()
+        self.num_requests_running.set(sum(s.num_running_reqs for s in latest))
+        self.num_requests_waiting.set(sum(s.num_waiting_reqs for s in latest))
+        self.kv_cache_usage_perc.set(sum(s.kv_cache_usage for s in latest) / len(self._engine_stats))
         self.prefix_cache_queries.inc(stats.prefix_cache_stats.queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_stats.hits)
         self.num_preemptions.inc(stats.num_preemptions)

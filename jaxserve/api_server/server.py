@@ -16,6 +16,7 @@ import logging
 import uvicorn
 
 from jaxserve.api_server.app import build_app
+from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.serving import ServingContext
@@ -39,11 +40,14 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
-    input_address, output_address = new_ipc_addresses()
     log_level = logging.getLogger().getEffectiveLevel()
-    process = launch_engine_core(config, eos, input_address, output_address, log_level)
-    client = EngineClient(tokenizer, process, input_address, output_address, metrics)
-    logger.info("engine core process (pid %d) is loading %s", process.pid, files.path)
+    clients = []
+    for rank in range(config.parallel_config.data_parallel_size):
+        input_address, output_address = new_ipc_addresses()
+        process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
+        clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics, rank))
+        logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
+    client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
     try:
         ready = await client.wait_until_ready()
     except EngineStartupError as e:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi.responses import JSONResponse
 
+from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError
 from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
 from jaxserve.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def sse_error(e: BaseException) -> str:
 class ServingContext:
     """Everything the endpoints need to know about the served model."""
 
-    client: EngineClient
+    client: EngineClient | DPEngineClient
     tokenizer: Any
     served_model_names: list[str]
     model_path: str

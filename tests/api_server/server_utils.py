@@ -71,7 +71,7 @@ class RemoteServer:
             return f.read()
 
     def engine_pid(self) -> int:
-        m = re.search(r"engine core process \(pid (\d+)\)", self.read_log())
+        m = re.search(r"engine core process \d+ \(pid (\d+)\)", self.read_log())
         assert m, self.read_log()
         return int(m.group(1))
 

@@ -29,7 +29,7 @@ def main() -> None:
                 distributed_process_id=pid)
     if pid != 0:
         from jaxserve.engine import run_follower_process
-        from jaxserve.llm import make_engine_config
+        from jaxserve.config import make_engine_config
 
         steps = run_follower_process(make_engine_config(None, **ENGINE_ARGS, **dist))
         print(f"FOLLOWED {steps} steps")

@@ -1,0 +1,86 @@
+"""Data parallelism: one engine-core process per rank, requests balanced by load.
+
+Each rank has its own devices, KV cache and scheduler; the API server sends a
+new request to the rank with the fewest requests in flight, and everything about
+that request (outputs, abort) stays with its rank.
+
+    API server ──▶ DPEngineClient ──▶ EngineClient[0] ──▶ engine core rank 0
+                                  └─▶ EngineClient[1] ──▶ engine core rank 1
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from jaxserve.api_server.engine_client import EngineClient, EngineDeadError
+from jaxserve.engine_messages import EngineReady
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class DPEngineClient:
+    """The EngineClient interface over several data-parallel engine cores."""
+
+    def __init__(self, clients: list[EngineClient]) -> None:
+        self.clients = clients
+        self.routed = [0] * len(clients)  # requests sent to each rank
+
+    async def wait_until_ready(self) -> EngineReady:
+        """All ranks ready; reports the smallest KV cache among them."""
+        ready = await asyncio.gather(*(c.wait_until_ready() for c in self.clients))
+        return min(ready, key=lambda r: r.num_blocks)
+
+    def start(self) -> None:
+        for c in self.clients:
+            c.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.clients))
+
+    @property
+    def is_alive(self) -> bool:
+        return all(c.is_alive for c in self.clients)
+
+    @property
+    def dead_error(self) -> str | None:
+        return next((c.dead_error for c in self.clients if c.dead_error), None)
+
+    @property
+    def on_dead(self) -> Callable[[str], None] | None:
+        return self.clients[0].on_dead
+
+    @on_dead.setter
+    def on_dead(self, fn: Callable[[str], None] | None) -> None:
+        for c in self.clients:
+            c.on_dead = fn
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self.clients)
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, **kw: Any) -> AsyncGenerator[RequestOutput, None]:
+        """Route to the least-loaded rank (ties: the lowest rank).
+
+        NOTE: the rank is chosen when iteration starts, and the rank's client
+        registers the request before its first await, so concurrent requests see
+        each other's load.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_error)
+        rank = min(range(len(self.clients)), key=lambda i: self.clients[i].num_in_flight)
+        self.routed[rank] += 1
+        if self.clients[rank].metrics is not None:
+            self.clients[rank].metrics.record_routed(rank)
+        gen = self.clients[rank].generate(request_id, prompt, prompt_token_ids, params, **kw)
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()  # a consumer that stops early aborts the request there
+
+    async def call_utility(self, method: str, *args: Any) -> list[Any]:
+        """Call a utility on every rank; returns their answers in rank order."""
+        return list(await asyncio.gather(*(c.call_utility(method, *args) for c in self.clients)))

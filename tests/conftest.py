@@ -14,10 +14,8 @@ def pytest_configure(config: pytest.Config) -> None:
         import jax
     except ImportError:  # host-only test runs
         return
-    cache = os.environ.get(
-        "JAXSERVE_TEST_COMPILATION_CACHE",
-        os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "jax_test_cache"),
-    )
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = os.environ.get("JAXSERVE_TEST_COMPILATION_CACHE", os.path.join(base, "jaxserve", "jax_test_cache"))
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -33,7 +33,7 @@ from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerO
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.parallel.pipeline import Stage
-from jaxserve.worker.buckets import pad_to_bucket, request_buckets, token_buckets
+from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs
 from jaxserve.worker.sampler import SamplingMetadata, SamplerOutput, sample
 
@@ -78,6 +78,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         block_size: int,
+        min_token_bucket: int = MIN_TOKEN_BUCKET,
         seed: int = 0,
     ) -> None:
         self.stages = stages
@@ -86,7 +87,7 @@ class ModelRunner:
         self.params = last.params
         replicated = last.replicated
         self.max_num_seqs = S = max_num_seqs
-        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.token_buckets = token_buckets(max_num_batched_tokens, min_token_bucket)
         self.request_buckets = request_buckets(max_num_seqs)
         V = self.model.cfg.vocab_size
         self.batch = InputBatch(S, max_model_len, block_size, V)

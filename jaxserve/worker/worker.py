@@ -26,6 +26,7 @@ from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import build_stages
 from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
+from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner, StepHandle
 
@@ -146,6 +147,7 @@ class Worker:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=cc.block_size,
+            min_token_bucket=MIN_TOKEN_BUCKET_CPU if self.platform == "cpu" else MIN_TOKEN_BUCKET,
             seed=self.config.model_config.seed,
         )
 

@@ -93,6 +93,7 @@ class OutputProcessor:
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
+        """Engine request ids of a request's sequences ([] if unknown)."""
         state = self.requests.get(request_id)
         if state is None:
             return []
@@ -100,13 +101,9 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> None:
         """Forget a request (the caller aborts its children in the engine core)."""
-        state = self.requests.pop(request_id, None)
-        if state is not None:
-            for cid in self.child_ids_of(state):
-                self._child_to_parent.pop(cid, None)
-
-    def child_ids_of(self, state: _RequestState) -> list[str]:
-        return [child_id(state.request_id, s.index, len(state.seqs)) for s in state.seqs]
+        for cid in self.child_ids(request_id):
+            self._child_to_parent.pop(cid, None)
+        self.requests.pop(request_id, None)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]

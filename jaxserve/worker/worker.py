@@ -165,10 +165,3 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model_async(scheduler_output)
 
-
-def eos_token_id(arch: ArchConfig, tokenizer: Any) -> int | None:
-    """The id that ends generation: the tokenizer's EOS, else the model config's."""
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        return int(tokenizer.eos_token_id)
-    eos = arch.eos_token_id
-    return eos[0] if isinstance(eos, tuple) else eos

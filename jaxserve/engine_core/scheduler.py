@@ -430,10 +430,6 @@ class Scheduler:
         """Whether a step has anything to do (schedule, or tell the worker to drop)."""
         return self.has_unfinished_requests() or self.has_finished_requests()
 
-    def get_request_counts(self) -> tuple[int, int]:
-        """(num_running, num_waiting)."""
-        return len(self.running), len(self.waiting)
-
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics; resets the counters that are deltas."""
         stats = SchedulerStats(

@@ -133,7 +133,10 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = SchedulerConfig()
     parallel_config: ParallelConfig = ParallelConfig()
     enforce_eager: bool = False
-    attention_backend: str = "reference"
+    # "auto": the platform's own kernel (cpu / gpu / tpu variant); or a registered variant
+    # name. attention_interpret runs Pallas variants in interpret mode on any platform.
+    attention_backend: str = "auto"
+    attention_interpret: bool = False
 
 
 def make_engine_config(
@@ -150,7 +153,8 @@ def make_engine_config(
     gpu_memory_utilization: float = 0.9,
     enforce_eager: bool = False,
     seed: int = 0,
-    attention_backend: str = "reference",
+    attention_backend: str = "auto",
+    attention_interpret: bool = False,
     async_scheduling: bool = True,
     scheduling_policy: str = "fcfs",
     tensor_parallel_size: int = 1,
@@ -190,4 +194,5 @@ def make_engine_config(
         ),
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,
+        attention_interpret=attention_interpret,
     )

@@ -48,7 +48,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="skip compiling the buckets at start-up (compile lazily)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--attention-backend", default="reference")
+    engine.add_argument("--attention-backend", default="auto",
+                        help="attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
+                             "reference, or any registered variant")
+    engine.add_argument("--attention-interpret", action="store_true",
+                        help="run Pallas attention variants in interpret mode (tests, research)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -71,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        attention_interpret=args.attention_interpret,
     )
 
 

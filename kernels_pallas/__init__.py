@@ -13,6 +13,8 @@ variant modules with `from kernels_pallas.ragged_paged_attention import referenc
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
@@ -20,6 +22,7 @@ from kernels_pallas import ragged_paged_attention as _variants  # registers ever
 
 __all__ = [
     "Backend",
+    "attention_plan",
     "get_backend",
     "list_backends",
     "ragged_paged_attention",
@@ -39,17 +42,41 @@ def ragged_paged_attention(
     sm_scale: float,
     backend: str = "reference",
     interpret: bool = False,
+    plan: Any = None,
     **tuning,
 ) -> jax.Array:
     """Attention of a mixed prefill/decode batch over the paged cache, by variant name.
 
     See `kernels_pallas/ragged_paged_attention/reference.py` for the layout; `tuning` goes to
-    the variant (block sizes, `sliding_window`, `soft_cap`, ...).
+    the variant (block sizes, `sliding_window`, `soft_cap`, ...); `plan` is this step's
+    `attention_plan(...)` for variants that have one.
     """
+    if plan is not None:
+        tuning["plan"] = plan
     return get_backend(backend).attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, interpret=interpret, **tuning,
     )
+
+
+def attention_plan(
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    num_tokens: int,
+    page_size: int,
+    backend: str = "reference",
+    **tuning,
+) -> Any:
+    """The variant's per-step work plan (None if it has none): build it once per step and
+    pass it to every layer's `ragged_paged_attention(..., plan=...)`."""
+    make = get_backend(backend).plan
+    if make is None:
+        return None
+    return make(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens=num_tokens,
+                page_size=page_size, **tuning)
 
 
 def update_kv_cache(

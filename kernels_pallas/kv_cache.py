@@ -41,6 +41,13 @@ def update_kv_cache(
             f"[num_tokens, {num_kv_slots // 2}, {head_dim}] each"
         )
     new = interleave_kv(k, v).astype(kv_pages.dtype)
+    if new.shape[0] == 1:
+        # NOTE: XLA rewrites a one-row scatter as a dynamic-update-slice, which its CPU
+        # backend then fails to keep in place when attention reads the cache afterwards:
+        # the whole cache is copied (seconds per step at 1 GB). A second row, written to
+        # the null page's slot 0, keeps it a scatter.
+        new = jnp.concatenate([new, new])
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
     flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)
     # mode="drop": an out-of-range slot is a caller bug, but must never corrupt memory.
     flat = flat.at[slot_mapping].set(new, mode="drop")

@@ -14,6 +14,9 @@ Every attention function has the reference signature plus `interpret` and free t
        interpret=False, **tuning) -> out
 and every KV write:
     fn(kv_pages, k, v, slot_mapping, *, interpret=False) -> kv_pages
+A variant may also register a `plan` (vLLM's attention-metadata builder): what it derives
+from the lengths alone, built once per step and passed to every layer as `plan=`:
+    plan(kv_lens, page_indices, cu_q_lens, num_seqs, *, num_tokens, page_size, **tuning)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 AttentionFn = Callable[..., Any]
 KVWriteFn = Callable[..., Any]
+PlanFn = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Backend:
     interpretable: bool = True
     description: str = ""
     test_tuning: tuple[dict[str, Any], ...] = ({},)
+    plan: PlanFn | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -57,6 +62,7 @@ def register_backend(
     fn: AttentionFn,
     *,
     update_kv_cache: KVWriteFn | None = None,
+    plan: PlanFn | None = None,
     platforms: tuple[str, ...] = ("cpu",),
     interpretable: bool = True,
     description: str = "",
@@ -73,7 +79,7 @@ def register_backend(
             return xla_write(kv_pages, k, v, slot_mapping)
 
     backend = Backend(name, fn, update_kv_cache, tuple(platforms), interpretable, description,
-                      tuple(test_tuning))
+                      tuple(test_tuning), plan)
     _BACKENDS[name] = backend
     return backend
 

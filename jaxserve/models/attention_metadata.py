@@ -13,6 +13,7 @@ Layout for a batch of 2 requests, page_size 4 (S = max_num_seqs):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -25,3 +26,6 @@ class AttentionMetadata:
     page_indices: jax.Array  # int32[S, pages_per_seq]
     cu_q_lens: jax.Array  # int32[S + 1]
     num_seqs: jax.Array  # int32[1]
+    # The attention variant's work plan for this step (kernels_pallas.attention_plan), built
+    # once before the layers and shared by all of them; None for variants without one.
+    plan: Any = None

@@ -14,6 +14,7 @@ kernels see an ordinary paged cache and nothing copies a layer out of the stack.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -41,6 +42,7 @@ def paged_attention(
     *,
     sm_scale: float,
     backend: str,
+    interpret: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this layer's K/V into the stacked cache, then attend over it.
 
@@ -53,12 +55,13 @@ def paged_attention(
     page_offset = layer_idx * num_pages
     with jax.named_scope("kv_cache_update"):
         flat = kernels_pallas.update_kv_cache(
-            flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend
+            flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
+            interpret=interpret,
         )
     with jax.named_scope("attention"):
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, backend=backend,
+            sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan,
         )
     return out, flat.reshape(kv_cache.shape)
 
@@ -67,6 +70,7 @@ class Attention(nn.Module):
     cfg: ArchConfig
     dtype: Any
     attention_backend: str
+    attention_interpret: bool
     mesh: Mesh | None
 
     @nn.compact
@@ -97,7 +101,8 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
 
         attend = functools.partial(
-            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend
+            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
+            interpret=self.attention_interpret,
         )
         if self.mesh is not None:
             # Each device attends with its own heads over its own slice of the cache:
@@ -117,6 +122,7 @@ class DecoderLayer(nn.Module):
     cfg: ArchConfig
     dtype: Any
     attention_backend: str
+    attention_interpret: bool
     mesh: Mesh | None
 
     @nn.compact
@@ -131,7 +137,9 @@ class DecoderLayer(nn.Module):
         h, kv_cache = carry
         cfg = self.cfg
         attn_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
-        attn_out, kv_cache = Attention(cfg, self.dtype, self.attention_backend, self.mesh, name="self_attn")(
+        attn_out, kv_cache = Attention(
+            cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh,
+            name="self_attn")(
             attn_in, layer_idx, cos, sin, kv_cache, md
         )
         h = h + attn_out
@@ -147,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
     cfg: ArchConfig
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
+    attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
 
     def setup(self) -> None:
@@ -160,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
-        )(cfg, self.dtype, self.attention_backend, self.mesh)
+        )(cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(
@@ -186,6 +195,10 @@ class LlamaForCausalLM(nn.Module):
         self, h: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
+        plan = kernels_pallas.attention_plan(
+            md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
+            page_size=kv_cache.shape[2], backend=self.attention_backend)
+        md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
         (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)
         return h, kv_cache

@@ -64,7 +64,8 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
 
 
 def build_stages(
-    arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str
+    arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str,
+    attention_interpret: bool = False,
 ) -> list[Stage]:
     """Split, place (with each stage's tensor-parallel shardings) and wrap every stage.
 
@@ -78,7 +79,8 @@ def build_stages(
         first, last = i == 0, i == pp - 1
         host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
-        model = LlamaForCausalLM(cfg, dtype, attention_backend, sub if tp > 1 else None)
+        model = LlamaForCausalLM(cfg, dtype, attention_backend, attention_interpret,
+                                 sub if tp > 1 else None)
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
         params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))

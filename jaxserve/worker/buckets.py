@@ -5,10 +5,11 @@ Every step pads its token count up to a bucket (powers of two from 16 up to
 (powers of two up to `max_num_seqs`), so a handful of programs compiled at
 start-up serve every step.
 
-On the CPU the token buckets start at 2: there a step is compute-bound, and a
-single decode padded to 16 tokens costs ~67 ms against ~29 ms at 2 (default
-model, measured). A 1-token bucket is avoided: XLA's CPU code for it took
-~3 s per step (measured, not understood).
+On the CPU the token buckets start at 1: there a step is compute-bound, and a
+single decode padded to 16 tokens costs ~67 ms against ~29 ms at 2 and ~24 ms
+at 1 (default model, measured: XLA's CPU matrix-vector product is its fastest
+matmul). A 1-token step once took seconds: XLA turned the one-row KV scatter
+into a dynamic-update-slice that copied the whole cache (see kernels_pallas/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
 
 
 MIN_TOKEN_BUCKET = 16
-MIN_TOKEN_BUCKET_CPU = 2
+MIN_TOKEN_BUCKET_CPU = 1
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = MIN_TOKEN_BUCKET) -> tuple[int, ...]:

@@ -15,29 +15,46 @@ device reads it from its own `last_sampled[slot]`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.packing import Packing
 
 
-@jax.tree_util.register_dataclass  # passed whole to the jitted forward
+@jax.tree_util.register_dataclass
 @dataclass
 class StepInputs:
-    """Host arrays of one step (shapes padded; see model_runner for their use)."""
+    """One step's forward inputs (shapes padded; see model_runner for their use).
 
-    input_ids: np.ndarray  # i32[T]
-    prev_slot: np.ndarray  # i32[T]; >= 0: take last_sampled[prev_slot] instead
-    positions: np.ndarray  # i32[T]
-    slot_mapping: np.ndarray  # i32[T]
-    kv_lens: np.ndarray  # i32[S]
-    page_indices: np.ndarray  # i32[S, max_pages]
-    cu_q_lens: np.ndarray  # i32[S + 1]
-    num_seqs: np.ndarray  # i32[1]
-    logits_indices: np.ndarray  # i32[S]: last token of each scheduled request
-    sample_slots: np.ndarray  # i32[S]: batch slot of each row (S = padding, dropped)
+    Request rows Q = min(T, max_num_seqs): a step cannot hold more requests than tokens, so
+    a decode of a few sequences carries a few page-table rows, not max_num_seqs of them.
+    """
+
+    input_ids: Any  # i32[T]
+    prev_slot: Any  # i32[T]; >= 0: take last_sampled[prev_slot] instead
+    positions: Any  # i32[T]
+    slot_mapping: Any  # i32[T]
+    kv_lens: Any  # i32[Q]
+    page_indices: Any  # i32[Q, max_pages]
+    cu_q_lens: Any  # i32[Q + 1]
+    num_seqs: Any  # i32[1]
+    logits_indices: Any  # i32[Q]: last token of each scheduled request
+
+    @staticmethod
+    def packing(num_tokens: int, max_num_seqs: int, max_pages: int) -> Packing:
+        """The packed layout of a `num_tokens` bucket (one upload per step)."""
+        T, Q = num_tokens, min(num_tokens, max_num_seqs)
+        return Packing((
+            ("input_ids", (T,), "i32"), ("prev_slot", (T,), "i32"),
+            ("positions", (T,), "i32"), ("slot_mapping", (T,), "i32"),
+            ("kv_lens", (Q,), "i32"), ("page_indices", (Q, max_pages), "i32"),
+            ("cu_q_lens", (Q + 1,), "i32"), ("num_seqs", (1,), "i32"),
+            ("logits_indices", (Q,), "i32"),
+        ))
 
 
 class InputBatch:
@@ -107,18 +124,20 @@ class InputBatch:
     def prepare(
         self, req_ids: list[str], num_scheduled: np.ndarray, padded_tokens: int
     ) -> tuple[StepInputs, np.ndarray, np.ndarray]:
-        """Flat inputs for the scheduled requests (in `req_ids` order).
+        """Host inputs for the scheduled requests (in `req_ids` order), padded to
+        `padded_tokens` tokens and min(padded_tokens, max_num_seqs) request rows.
 
         Returns the inputs, the slot of each request and whether each request
         samples a real token this step (False for a prefill chunk short of the
         end of its known tokens).
         """
-        S, bs = self.max_num_seqs, self.block_size
+        bs = self.block_size
         R = len(req_ids)
+        Q = min(padded_tokens, self.max_num_seqs)
         slots = np.fromiter((self.req_id_to_slot[r] for r in req_ids), np.int32, R)
         computed = self.num_computed_tokens[slots]
         T = int(num_scheduled.sum())
-        cu = np.zeros(S + 1, np.int32)
+        cu = np.zeros(Q + 1, np.int32)
         np.cumsum(num_scheduled, out=cu[1 : R + 1])
         cu[R + 1 :] = T
         row = np.repeat(np.arange(R, dtype=np.int32), num_scheduled)
@@ -130,12 +149,11 @@ class InputBatch:
             prev_slot=np.full(padded_tokens, -1, np.int32),
             positions=np.zeros(padded_tokens, np.int32),
             slot_mapping=np.zeros(padded_tokens, np.int32),  # padding -> null page 0
-            kv_lens=np.zeros(S, np.int32),
-            page_indices=np.zeros((S, self.max_pages), np.int32),
+            kv_lens=np.zeros(Q, np.int32),
+            page_indices=np.zeros((Q, self.max_pages), np.int32),
             cu_q_lens=cu,
             num_seqs=np.array([R], np.int32),
-            logits_indices=np.zeros(S, np.int32),
-            sample_slots=np.full(S, S, np.int32),
+            logits_indices=np.zeros(Q, np.int32),
         )
         known = self.num_known_tokens[tok_slot]
         from_host = pos < known
@@ -147,7 +165,11 @@ class InputBatch:
         inp.kv_lens[:R] = end
         inp.page_indices[:R] = self.block_table[slots]
         inp.logits_indices[:R] = cu[1 : R + 1] - 1
-        inp.sample_slots[:R] = slots
         self.num_computed_tokens[slots] = end
         samples = end >= self.num_known_tokens[slots]
         return inp, slots, samples
+
+
+def as_dict(inp: StepInputs) -> dict[str, Any]:
+    """Field name -> array (for `Packing.pack`)."""
+    return {f.name: getattr(inp, f.name) for f in fields(inp)}

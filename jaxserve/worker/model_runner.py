@@ -1,19 +1,21 @@
 """ModelRunner: SchedulerOutput -> padded device inputs -> compiled step -> tokens.
 
 Two compiled programs per step (one forward per pipeline stage), each bucketed
-on one axis so their count stays small (|token buckets| + |request buckets|,
+on one axis so their count stays small (|token buckets| + 3 x |request buckets|,
 all compiled at warm-up):
 
-    forward[T]  (params, kv_cache*, last_sampled, inputs) -> kv_cache, hidden[S]
-                runs the decoder over T (padded) tokens and keeps the hidden
-                state of each request's last token only
-    sample[R]   (params, hidden[S], last_sampled*, penalty state*, sampling md)
-                -> last_sampled, penalty state, tokens[R] and their logprobs
-                LM head on R (padded) rows only, then the on-device Sampler
+    forward[T]        (params, kv_cache*, last_sampled, packed inputs) -> kv_cache, hidden[S]
+                      runs the decoder over T (padded) tokens and keeps the hidden
+                      state of each request's last token only
+    sample[R, mode]   (params, hidden[S], last_sampled*, penalty state*, packed sampling md)
+                      -> last_sampled, penalty state, tokens[R] and their logprobs
+                      LM head on R (padded) rows only, then the on-device Sampler in the
+                      batch's SamplerMode (greedy / random / filtered: no device branch)
 
-(* donated: updated in place.) The sampled tokens stay on the device in
-`last_sampled[slot]`, where the next step's forward reads them, so the host can
-prepare step N+1 before step N's tokens come back (async scheduling).
+(* donated: updated in place.) Each program's per-step inputs travel as one packed
+int32 buffer (packing.py): one upload per program per step. The sampled tokens stay on
+the device in `last_sampled[slot]`, where the next step's forward reads them, so the host
+can prepare step N+1 before step N's tokens come back (async scheduling).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
-from jaxserve.worker.input_batch import InputBatch, StepInputs
-from jaxserve.worker.sampler import SamplingMetadata, SamplerOutput, sample
+from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
+from jaxserve.worker.packing import Packing
+from jaxserve.worker.sampler import SamplerMode, SamplerOutput, SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +103,27 @@ class ModelRunner:
         self.penalties = jax.device_put(
             PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32)), replicated
         )
-        self._stage = jax.jit(self._stage_impl, static_argnums=(0,), donate_argnums=(2,))
+        self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1), donate_argnums=(3,))
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self._sample = jax.jit(
-            self._sample_impl, static_argnums=(0,), donate_argnums=(3, 4), out_shardings=replicated
+            self._sample_impl, static_argnums=(0, 1), donate_argnums=(4, 5),
+            out_shardings=replicated,
         )
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
 
     # ---- compiled programs -------------------------------------------------------------
 
-    def _stage_impl(self, index: int, params, kv_cache, x, inp: StepInputs):
-        """One pipeline stage (the whole model when pp = 1).
+    def forward_packing(self, num_tokens: int) -> Packing:
+        return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages)
+
+    def _stage_impl(self, index: int, num_tokens: int, params, kv_cache, x, buf):
+        """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
 
         The first stage embeds (x = last_sampled: tokens sampled by the previous step
         have not reached the host, so they are read here); the others continue from
         the hidden states x. The last stage keeps each request's last hidden state.
         """
+        inp = StepInputs(**self.forward_packing(num_tokens).unpack(buf))
         st = self.stages[index]
         if st.is_first:
             input_ids = jnp.where(inp.prev_slot >= 0, x[jnp.maximum(inp.prev_slot, 0)], inp.input_ids)
@@ -123,26 +131,44 @@ class ModelRunner:
         md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
         h, kv_cache = st.model.apply(params, x, inp.positions, kv_cache, md, method=LlamaForCausalLM.run_layers)
         if st.is_last:
-            h = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)[inp.logits_indices]
+            # Rows for every batch slot, so the sampler's shapes do not depend on T.
+            rows = jnp.pad(inp.logits_indices, (0, self.max_num_seqs - inp.logits_indices.shape[0]))
+            h = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)[rows]
         return kv_cache, h
 
     def _forward(self, inp: StepInputs) -> jax.Array:
         """Run every stage; activations hop to the next stage's devices asynchronously."""
+        T = inp.input_ids.shape[0]
+        buf = self.forward_packing(T).pack(as_dict(inp))
         x = self.last_sampled
         for st in self.stages:
             if len(self.stages) > 1:
                 x = jax.device_put(x, st.replicated)
-            st.kv_cache, x = self._stage(st.index, st.params, st.kv_cache, x, inp)
+            st.kv_cache, x = self._stage(st.index, T, st.params, st.kv_cache, x,
+                                         jax.device_put(buf, st.replicated))
         return x
 
-    def _sample_impl(self, num_rows: int, params, hidden, last_sampled, penalties: PenaltyState,
-                     slots, real, md: SamplingMetadata):
+    @staticmethod
+    def sampler_packing(num_rows: int) -> Packing:
+        R = (num_rows,)
+        return Packing((
+            ("slots", R, "i32"), ("real", R, "bool"), ("temperature", R, "f32"),
+            ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
+            ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
+            ("presence_penalty", R, "f32"), ("seeds", R, "u32"), ("positions", R, "i32"),
+        ))
+
+    def _sample_impl(self, num_rows: int, mode: SamplerMode, params, hidden, last_sampled,
+                     penalties: PenaltyState, buf):
+        u = self.sampler_packing(num_rows).unpack(buf)
+        slots, real = u.pop("slots"), u.pop("real")
+        md = SamplingMetadata(**u)
         logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
-        rows = jnp.minimum(slots[:num_rows], self.max_num_seqs - 1)
-        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md)
+        rows = jnp.minimum(slots, self.max_num_seqs - 1)
+        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
-        last_sampled = last_sampled.at[slots[:num_rows]].set(out.sampled, mode="drop")
-        counted = jnp.where(real[:num_rows], slots[:num_rows], self.max_num_seqs)
+        last_sampled = last_sampled.at[slots].set(out.sampled, mode="drop")
+        counted = jnp.where(real, slots, self.max_num_seqs)
         counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
         return last_sampled, PenaltyState(penalties.prompt_mask, counts), out
 
@@ -171,13 +197,10 @@ class ModelRunner:
         T = pad_to_bucket(int(num_sched.sum()), self.token_buckets)
         inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
         R = pad_to_bucket(len(req_ids), self.request_buckets)
-        md = self._sampling_metadata(inp, slots, num_sched, R)
-        real = np.zeros(self.max_num_seqs, bool)
-        real[: len(req_ids)] = samples
+        md, mode = self._sampling_inputs(inp, slots, samples, R)
         hidden = self._forward(inp)
         self.last_sampled, self.penalties, out = self._sample(
-            R, self.params, hidden, self.last_sampled, self.penalties, inp.sample_slots, real, md
-        )
+            R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy())
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -209,29 +232,31 @@ class ModelRunner:
         output_ids[: len(outputs)] = outputs
         self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids)
 
-    def _sampling_metadata(self, inp: StepInputs, slots: np.ndarray, num_sched: np.ndarray, R: int) -> SamplingMetadata:
-        b = self.batch
-        n = len(slots)
+    def _sampling_inputs(self, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
+                         R: int) -> tuple[np.ndarray, SamplerMode]:
+        """The sampler's packed per-row inputs for R (padded) rows, and the batch's mode."""
+        b, n, S = self.batch, len(slots), self.max_num_seqs
 
         def rows(a: np.ndarray, fill: Any) -> np.ndarray:
             out = np.full(R, fill, a.dtype)
             out[:n] = a[slots]
             return out
 
-        # The sampled token's index in its sequence = the context length after this step.
-        positions = np.zeros(R, np.int32)
-        positions[:n] = inp.kv_lens[:n]
-        return SamplingMetadata(
-            temperature=rows(b.temperature, 0.0),
-            top_k=rows(b.top_k, 0),
-            top_p=rows(b.top_p, 1.0),
-            min_p=rows(b.min_p, 0.0),
-            repetition_penalty=rows(b.repetition_penalty, 1.0),
-            frequency_penalty=rows(b.frequency_penalty, 0.0),
-            presence_penalty=rows(b.presence_penalty, 0.0),
-            seeds=rows(b.seeds, 0),
-            positions=positions,
-        )
+        values = {
+            "slots": np.concatenate([slots, np.full(R - n, S, np.int32)]),  # S: dropped
+            "real": np.concatenate([samples, np.zeros(R - n, bool)]),
+            "temperature": rows(b.temperature, 0.0), "top_k": rows(b.top_k, 0),
+            "top_p": rows(b.top_p, 1.0), "min_p": rows(b.min_p, 0.0),
+            "repetition_penalty": rows(b.repetition_penalty, 1.0),
+            "frequency_penalty": rows(b.frequency_penalty, 0.0),
+            "presence_penalty": rows(b.presence_penalty, 0.0),
+            "seeds": rows(b.seeds, 0),
+            # The sampled token's index in its sequence = the context length after this step.
+            "positions": np.concatenate([inp.kv_lens[:n], np.zeros(R - n, np.int32)]),
+        }
+        mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
+                                     b.min_p[slots])
+        return self.sampler_packing(R).pack(values), mode
 
     def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
                    num_logprobs: np.ndarray) -> ModelRunnerOutput:
@@ -261,28 +286,29 @@ class ModelRunner:
     # ---- warm-up -----------------------------------------------------------------------
 
     def warm_up(self) -> float:
-        """Compile every token and request bucket now, so nothing compiles while serving.
+        """Compile every token bucket and every (request bucket, sampler mode), so nothing
+        compiles while serving.
 
         Runs each program once on empty inputs (no sequences: attention loops zero
         times, writes land in the null page, samples land on dropped slots).
         Returns the seconds spent.
         """
         t0 = time.perf_counter()
-        S = self.max_num_seqs
-        total = len(self.token_buckets) + len(self.request_buckets) + 1
+        modes = list(SamplerMode)
+        total = len(self.token_buckets) + len(self.request_buckets) * len(modes) + 1
+        empty = np.zeros(0, np.int32)
         with tqdm(total=total, desc="Compiling buckets", unit="program") as bar:
             hidden = None
             for T in self.token_buckets:
-                inp, _, _ = self.batch.prepare([], np.zeros(0, np.int32), T)
+                inp, _, _ = self.batch.prepare([], empty, T)
                 hidden = self._forward(inp)
                 bar.update()
             for R in self.request_buckets:
-                md = self._sampling_metadata(inp, np.zeros(0, np.int32), np.zeros(0, np.int32), R)
-                self.last_sampled, self.penalties, out = self._sample(
-                    R, self.params, hidden, self.last_sampled, self.penalties,
-                    np.full(S, S, np.int32), np.zeros(S, bool), md,
-                )
-                bar.update()
+                md, _ = self._sampling_inputs(inp, empty, np.zeros(0, bool), R)
+                for mode in modes:
+                    self.last_sampled, self.penalties, out = self._sample(
+                        R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
+                    bar.update()
             self._admit_slot(0, [], [])
             bar.update()
             jax.block_until_ready(([st.kv_cache for st in self.stages], self.last_sampled, self.penalties))

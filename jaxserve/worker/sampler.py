@@ -9,10 +9,16 @@ Every parameter is a per-row array, so one compiled program serves any mix of
 requests. Random rows draw from `fold_in(key(seed), position)`, where position
 is the index of the token being sampled in its sequence: the same seed gives
 the same tokens whatever else is in the batch and however the steps fall.
+
+Which stages run is a static `SamplerMode` the host picks per step from the
+batch's parameters (as vLLM's `all_greedy` / `no_top_k` flags do), so the
+compiled program has no data-dependent branch: a greedy batch never pays for
+random draws, and only a batch with top-k / top-p / min-p pays for the sort.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import jax
@@ -20,6 +26,24 @@ import jax.numpy as jnp
 
 MAX_LOGPROBS = 20  # top-N returned at most (SamplingParams caps logprobs at this)
 _NEG_INF = -jnp.inf
+
+
+class SamplerMode(enum.Enum):
+    """The stages one step's batch needs (a static argument of the sampler)."""
+
+    GREEDY = "greedy"  # every row has temperature 0
+    RANDOM = "random"  # some rows sample; no top-k, top-p or min-p anywhere
+    FILTERED = "filtered"  # some rows sample with top-k, top-p or min-p
+
+    @classmethod
+    def for_batch(cls, temperature, top_k, top_p, min_p) -> "SamplerMode":
+        """From the real rows' host (NumPy) parameters."""
+        if not (temperature > 0).any():
+            return cls.GREEDY
+        sampling = temperature > 0
+        if ((top_k > 0) | (top_p < 1.0) | (min_p > 0))[sampling].any():
+            return cls.FILTERED
+        return cls.RANDOM
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +101,8 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     sorted_desc = jnp.where(use_k & (jnp.arange(vocab)[None, :] >= top_k[:, None]), _NEG_INF, sorted_desc)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     # Token i is kept while the mass before it is below top_p (the first always is).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    # top_p = 1 keeps everything exactly (the running sum can round up to 1 in the tail).
+    keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (top_p >= 1.0)[:, None]
     threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits < threshold, _NEG_INF, logits)
 
@@ -97,29 +122,22 @@ def sample(
     prompt_mask: jax.Array,  # bool[R, V]
     output_counts: jax.Array,  # i32[R, V]
     md: SamplingMetadata,
+    mode: SamplerMode = SamplerMode.FILTERED,
 ) -> SamplerOutput:
-    """Sample one token per row and report logprobs (of the raw model distribution)."""
+    """Sample one token per row and report logprobs (of the raw model distribution).
+
+    `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
+    """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, prompt_mask, output_counts, md)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    is_greedy = md.temperature <= 0.0
-
-    def random_rows(logits: jax.Array) -> jax.Array:
-        logits = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
-        logits = jax.lax.cond(
-            jnp.any(md.min_p > 0), apply_min_p, lambda x, _: x, logits, md.min_p
-        )
-        logits = jax.lax.cond(
-            jnp.any((md.top_k > 0) | (md.top_p < 1.0)),
-            apply_top_k_top_p,
-            lambda x, *_: x,
-            logits, md.top_k, md.top_p,
-        )
-        return random_sample(logits, md.seeds, md.positions)
-
-    # Skip the sort and the random draws entirely when every row is greedy.
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy, random_rows, logits)
-    sampled = jnp.where(is_greedy, greedy, sampled)
+    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode is not SamplerMode.GREEDY:
+        is_greedy = md.temperature <= 0.0
+        scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+        if mode is SamplerMode.FILTERED:  # each filter is a no-op on rows without it
+            scaled = apply_min_p(scaled, md.min_p)
+            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        sampled = jnp.where(is_greedy, sampled, random_sample(scaled, md.seeds, md.positions))
 
     top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)

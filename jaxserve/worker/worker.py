@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels_pallas
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
@@ -44,6 +45,31 @@ def resolve_dtype(dtype: str, platform: str) -> Any:
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
 
 
+# jax.Device.platform -> the platform names kernel variants declare (jax.export's).
+_EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+# The platform's own attention kernel, picked by attention_backend="auto".
+AUTO_ATTENTION_BACKEND = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def resolve_attention_backend(name: str, platform: str, interpret: bool) -> str:
+    """`auto` -> the platform's own variant; any other name must target `platform`, unless
+    `interpret` runs it in Pallas interpret mode (tests, research on the CPU)."""
+    target = _EXPORT_PLATFORM.get(platform, platform)
+    if name == "auto":
+        if target not in AUTO_ATTENTION_BACKEND:
+            raise ValueError(f"no attention kernel for platform {platform!r}; pass "
+                             f"--attention-backend reference")
+        name = AUTO_ATTENTION_BACKEND[target]
+    backend = kernels_pallas.get_backend(name)  # ValueError listing the variants if unknown
+    if target not in backend.platforms and not (interpret and backend.interpretable):
+        raise ValueError(
+            f"attention backend {name!r} targets {', '.join(backend.platforms)}, not this "
+            f"{platform} device; use --attention-backend auto, or --attention-interpret to run "
+            f"it in Pallas interpret mode"
+        )
+    return name
+
+
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     if requested is None:
         return arch.max_position_embeddings
@@ -65,6 +91,8 @@ class Worker:
         self.mesh = make_mesh(config.parallel_config)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
+        self.attention_backend = resolve_attention_backend(
+            config.attention_backend, self.platform, config.attention_interpret)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
 
@@ -76,7 +104,8 @@ class Worker:
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         self.stages = build_stages(
-            self.run_arch, host_params, self.mesh, self.dtype, self.config.attention_backend
+            self.run_arch, host_params, self.mesh, self.dtype, self.attention_backend,
+            self.config.attention_interpret,
         )
         self.timings["load_s"] = time.perf_counter() - t0
 

@@ -3,13 +3,21 @@
     python -m jaxserve.bench serve --base-url http://127.0.0.1:8000 --num-prompts 256 \
         --max-concurrency 64 --random-input-len 32 --random-output-len 256
 
-Random prompts of exactly `--random-input-len` tokens (random token ids,
-decoded to text), streamed through `/v1/completions` with `ignore_eos` so
-each request generates exactly `--random-output-len` tokens. Works against
-any OpenAI-compatible server (vLLM's `ignore_eos` is an extension; servers
-without it stop early and report fewer output tokens). Reports request and
-output throughput, and mean / median / p99 of TTFT, TPOT, ITL and end-to-end
-latency, as text and (with --output-json) JSON. JAX-free.
+Random prompts (vLLM's random dataset: random token ids decoded to text and re-encoded
+until the text has the wanted length), streamed through `/v1/completions` with
+`ignore_eos` so each request generates exactly its output length. The workloads a serving
+user runs:
+
+  * long prompts: `--random-input-len 1800`;
+  * mixed lengths: `--random-range-ratio 0.5` draws every input and output length
+    uniformly from [len * (1 - r), len * (1 + r)];
+  * a shared prefix: `--random-prefix-len 1024` puts the same 1,024 tokens before every
+    prompt (a system prompt / few-shot header), which prefix caching computes once.
+
+Works against any OpenAI-compatible server (`ignore_eos` is vLLM's extension; servers
+without it stop early and report fewer output tokens). Reports request and token
+throughput, and mean / median / percentiles (`--metric-percentiles`) of TTFT, TPOT, ITL and
+end-to-end latency, as text and (with --output-json) JSON. JAX-free.
 """
 
 from __future__ import annotations
@@ -37,6 +45,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests/s, Poisson arrivals (inf: all at once)")
     p.add_argument("--random-input-len", type=int, default=32)
     p.add_argument("--random-output-len", type=int, default=256)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="draw input and output lengths from [len*(1-r), len*(1+r)]")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens of one shared random prefix put before every prompt")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics to report percentiles of (ttft, tpot, itl, e2el)")
+    p.add_argument("--metric-percentiles", default="50,90,99",
+                   help="comma-separated percentiles, e.g. 50,90,99")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-ids", action="store_true",
                    help="send prompts as token ids instead of text")
@@ -54,20 +70,31 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
-    """(prompt, length in tokens): random token ids, re-encoded until the text
-    has exactly --random-input-len tokens (what vLLM's random dataset does)."""
+def sample_lengths(length: int, ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n lengths uniform in [length * (1 - ratio), length * (1 + ratio)] (vLLM's rule)."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.integers(lo, hi + 1, n)
+
+
+def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int, int]]:
+    """(prompt, its length in tokens, output length) per request."""
     from jaxserve.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     rng = np.random.default_rng(args.seed)
     vocab = len(tok)
-    n = args.random_input_len
-    prompts: list[tuple[str | list[int], int]] = []
-    for _ in range(args.num_prompts):
-        ids = rng.integers(100, vocab - 100, n).tolist()
+    n_prompts = args.num_prompts
+    in_lens = sample_lengths(args.random_input_len, args.random_range_ratio, n_prompts, rng)
+    out_lens = sample_lengths(args.random_output_len, args.random_range_ratio, n_prompts, rng)
+    prefix = rng.integers(100, vocab - 100, args.random_prefix_len).tolist()
+    prompts: list[tuple[str | list[int], int, int]] = []
+    for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist()):
+        n = len(prefix) + n_in
+        ids = prefix + rng.integers(100, vocab - 100, n_in).tolist()
         if args.token_ids:
-            prompts.append((ids, n))
+            prompts.append((ids, n, n_out))
             continue
         for _ in range(8):  # decoding and re-encoding can merge or split tokens
             text = tok.decode(ids)
@@ -77,7 +104,7 @@ def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int]]:
             else:
                 ids = ids + rng.integers(100, vocab - 100, n - len(ids)).tolist()
         text = tok.decode(ids)
-        prompts.append((text, len(tok(text, add_special_tokens=False).input_ids)))
+        prompts.append((text, len(tok(text, add_special_tokens=False).input_ids), n_out))
     return prompts
 
 
@@ -137,16 +164,16 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         sem = asyncio.Semaphore(args.max_concurrency or len(prompts))
         rng = np.random.default_rng(args.seed)
 
-        async def limited(prompt: str | list[int], n: int) -> RequestResult:
+        async def limited(prompt: str | list[int], n_in: int, n_out: int) -> RequestResult:
             async with sem:
-                return await send_request(client, url, body(prompt, args.random_output_len), n)
+                return await send_request(client, url, body(prompt, n_out), n_in)
 
         print(f"Traffic: {len(prompts)} requests, request rate {args.request_rate}, "
               f"max concurrency {args.max_concurrency}")
         start = time.perf_counter()
         tasks = []
-        for prompt, n in prompts:
-            tasks.append(asyncio.create_task(limited(prompt, n)))
+        for prompt, n_in, n_out in prompts:
+            tasks.append(asyncio.create_task(limited(prompt, n_in, n_out)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -154,10 +181,13 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return calculate_metrics(args, model, results, duration)
 
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
+def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
     v = np.asarray(values_s or [0.0]) * 1000.0
-    return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
-            f"std_{name}_ms": float(v.std()), f"p99_{name}_ms": float(np.percentile(v, 99))}
+    out = {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+           f"std_{name}_ms": float(v.std())}
+    for q in percentiles:
+        out[f"p{q:g}_{name}_ms"] = float(np.percentile(v, q))
+    return out
 
 
 def calculate_metrics(args: argparse.Namespace, model: str, results: list[RequestResult],
@@ -167,21 +197,25 @@ def calculate_metrics(args: argparse.Namespace, model: str, results: list[Reques
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    pct = [float(q) for q in args.metric_percentiles.split(",") if q.strip()]
+    metrics = set(args.percentile_metrics.split(","))
+    values = {"ttft": [r.ttft for r in ok], "tpot": tpots,
+              "itl": [x for r in ok for x in r.itl], "e2el": [r.latency for r in ok]}
     out: dict[str, Any] = {
         "model": model, "num_prompts": len(results), "max_concurrency": args.max_concurrency,
         "request_rate": args.request_rate, "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio, "random_prefix_len": args.random_prefix_len,
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
-        **_stats("ttft", [r.ttft for r in ok]),
-        **_stats("tpot", tpots),
-        **_stats("itl", [x for r in ok for x in r.itl]),
-        **_stats("e2el", [r.latency for r in ok]),
+        "percentiles": pct,
         "errors": sorted({r.error for r in results if not r.success})[:5],
     }
+    for name, v in values.items():
+        out.update(_stats(name, v, pct if name in metrics else [99.0]))
     return out
 
 
@@ -203,8 +237,10 @@ def print_report(m: dict[str, Any]) -> None:
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print(f"{title:-^50}")
-        for stat in ("mean", "median", "p99"):
-            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
+        stats = ["mean", "median"] + [k.split("_")[0] for k in m if k.startswith("p") and
+                                      k.endswith(f"_{key}_ms")]
+        for stat in stats:
+            label = f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {key.upper()} (ms):"
             print(f"{label:<40}{m[f'{stat}_{key}_ms']:<10.2f}")
     print(line)
     for e in m["errors"]:

@@ -322,3 +322,33 @@ def test_bench_serve_reports_what_vllm_reports(server: RemoteServer, tmp_path) -
         for stat in ("mean", "median", "p99"):
             assert m[f"{stat}_{key}_ms"] > 0
     assert m["request_throughput"] > 0 and m["output_throughput"] > 0
+
+
+def test_bench_serve_mixed_lengths_and_shared_prefix(server: RemoteServer, tmp_path) -> None:
+    from jaxserve.bench.__main__ import main as bench_main
+
+    out = tmp_path / "bench.json"
+    bench_main(["serve", "--base-url", server.base_url, "--num-prompts", "6", "--max-concurrency", "3",
+                "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "0.5",
+                "--random-prefix-len", "32", "--metric-percentiles", "50,90,99",
+                "--output-json", str(out)])
+    m = json.loads(out.read_text())
+    assert m["completed"] == 6 and m["failed"] == 0
+    # Outputs of 4..12 tokens each; inputs of 32 shared + 8..24 own tokens each.
+    assert 6 * 4 <= m["total_output_tokens"] <= 6 * 12
+    assert 6 * (32 + 8) - 6 <= m["total_input_tokens"] <= 6 * (32 + 24) + 6
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("p50", "p90", "p99"):
+            assert m[f"{stat}_{key}_ms"] > 0
+
+
+def test_bench_lengths_follow_vllms_range_rule() -> None:
+    import numpy as np
+
+    from jaxserve.bench.serve import sample_lengths
+
+    lens = sample_lengths(100, 0.25, 2000, np.random.default_rng(0))
+    assert lens.min() == 75 and lens.max() == 125
+    assert (sample_lengths(100, 0.0, 5, np.random.default_rng(0)) == 100).all()
+    with pytest.raises(ValueError, match="random-range-ratio"):
+        sample_lengths(100, 1.5, 5, np.random.default_rng(0))

@@ -1,0 +1,187 @@
+"""Export the real runner's compiled step for a GPU or TPU, on any machine, and check it is device-clean.
+
+    python scripts/export_step.py --platform cuda|tpu [--shapes default|llama3-8b]
+
+Builds `ModelRunner` exactly as the worker does on that platform (its `auto` attention
+backend, bfloat16), with abstract weights (nothing is allocated), and exports with
+`jax.export` the forward program of the smallest and largest token buckets and the sampler
+program of every mode at the largest request bucket. Fails unless, in every program:
+
+  * the KV cache is donated and aliased to the output (updated in place, never copied);
+  * no control flow can synchronise with the host outside the kernels: no `case` / `if`,
+    and every `while` is a counted loop (the layer scan) whose condition compares its
+    counter with a constant (kernels are opaque custom calls and are not inspected);
+  * no host callback;
+  * per-step inputs are one packed int32 buffer (plus arrays already on the device).
+
+Prints one line per program. Used by tests/worker/test_export_step.py (CI runs every
+platform and shape set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib.mlir import ir
+
+from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM, kv_cache_shape
+from jaxserve.models.arch_config import RopeScaling
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.pipeline import Stage
+from jaxserve.config import ParallelConfig
+from jaxserve.worker.model_runner import ModelRunner, PenaltyState
+from jaxserve.worker.sampler import SamplerMode
+from jaxserve.worker.worker import AUTO_ATTENTION_BACKEND
+
+SHAPES = {
+    # SmolLM2-135M-Instruct, the default model.
+    "default": ArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True),
+    "llama3-8b": ArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=8.0), max_position_embeddings=131072),
+}
+# Serving shapes as a GPU/TPU deployment would run them.
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_PAGES = 64, 2048, 8192, 16, 4096
+DISABLED_CHECKS = {
+    "cuda": [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    "tpu": [],
+}
+
+
+@dataclass
+class Report:
+    name: str
+    ok: bool
+    detail: str
+
+
+def build_runner(shapes: str, platform: str) -> tuple[ModelRunner, jax.ShapeDtypeStruct]:
+    """The worker's runner for `platform`, over abstract bfloat16 weights and cache."""
+    arch = SHAPES[shapes]
+    model = LlamaForCausalLM(arch, jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform])
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, NUM_PAGES, BLOCK_SIZE), jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
+    def init_all(module: LlamaForCausalLM, ids, pos, cache, md):  # decoder and LM head
+        return module.compute_logits(module(ids, pos, cache, md)[0])
+
+    params = jax.eval_shape(lambda *a: model.init(*a, method=init_all),
+                            jax.random.key(0), i32(16), i32(16), kv, md)
+    mesh = make_mesh(ParallelConfig())
+    stage = Stage(0, (0, arch.num_hidden_layers), mesh, model, params, True, True, kv)
+    runner = ModelRunner([stage], max_num_seqs=MAX_NUM_SEQS,
+                         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    return runner, kv
+
+
+def _ops(op: ir.Operation):
+    """Every operation nested in `op`, depth first."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                yield inner
+                yield from _ops(inner.operation)
+
+
+def _is_counted_loop(while_op: ir.Operation) -> bool:
+    """The loop condition is `compare(loop argument, constant)` and nothing else."""
+    cond = while_op.regions[0].blocks[0]
+    ops = [op for op in cond.operations if op.operation.name != "stablehlo.constant"]
+    if [op.operation.name for op in ops] != ["stablehlo.compare", "stablehlo.return"]:
+        return False
+    kinds = set()
+    for value in ops[0].operands:
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            kinds.add("argument")
+        elif getattr(owner, "operation", owner).name == "stablehlo.constant":
+            kinds.add("constant")
+    return kinds == {"argument", "constant"}
+
+
+def check_program(exported: export.Exported, donated_type: str | None) -> list[str]:
+    """Problems found in an exported program (empty when device-clean)."""
+    text = exported.mlir_module()
+    problems = []
+    if donated_type is not None:
+        aliased = re.search(re.escape(donated_type) + r"\s*\{[^}]*tf\.aliasing_output", text)
+        if not aliased:
+            problems.append(f"the KV cache ({donated_type}) is not aliased to an output")
+    with jax_mlir.make_ir_context() as ctx:
+        module = ir.Module.parse(text, context=ctx)
+        for op in _ops(module.operation):
+            name = op.operation.name
+            if name in ("stablehlo.case", "stablehlo.if"):
+                problems.append(f"data-dependent {name}")
+            elif name == "stablehlo.while" and not _is_counted_loop(op.operation):
+                problems.append("a while loop whose trip count is data")
+            elif name == "stablehlo.custom_call":
+                target = str(op.operation.attributes["call_target_name"])
+                if "callback" in target:
+                    problems.append(f"host callback {target}")
+    return problems
+
+
+def export_step(shapes: str, platform: str) -> list[Report]:
+    runner, kv = build_runner(shapes, platform)
+    stage = runner.stages[0]
+    S, H = MAX_NUM_SEQS, stage.model.cfg.hidden_size
+    kv_type = "tensor<" + "x".join(map(str, kv.shape)) + "xbf16>"
+    last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
+    reports = []
+    forward = jax.jit(runner._stage_impl, static_argnums=(0, 1), donate_argnums=(3,))
+    for T in (runner.token_buckets[0], runner.token_buckets[-1]):
+        buf = jax.ShapeDtypeStruct((runner.forward_packing(T).size,), jnp.int32)
+        exp = export.export(forward, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
+            0, T, stage.params, kv, last_sampled, buf)
+        problems = check_program(exp, kv_type)
+        # Inputs besides the weights: the cache and last_sampled (both on the device) and
+        # the step's one packed buffer.
+        extra = len(exp.in_avals) - len(jax.tree.leaves(stage.params))
+        if extra != 3:
+            problems.append(f"{extra} inputs besides the weights, expected 3")
+        reports.append(Report(f"forward[T={T}]", not problems,
+                              "; ".join(problems) or "cache aliased, no host sync, 1 upload"))
+    R = runner.request_buckets[-1]
+    hidden = jax.ShapeDtypeStruct((S, H), jnp.bfloat16)
+    penalties = jax.eval_shape(lambda: runner.penalties)
+    assert isinstance(penalties, PenaltyState)
+    sample = jax.jit(runner._sample_impl, static_argnums=(0, 1), donate_argnums=(4, 5))
+    for mode in SamplerMode:
+        buf = jax.ShapeDtypeStruct((runner.sampler_packing(R).size,), jnp.int32)
+        exp = export.export(sample, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
+            R, mode, stage.params, hidden, last_sampled, penalties, buf)
+        problems = check_program(exp, None)
+        reports.append(Report(f"sample[R={R}, {mode.value}]", not problems,
+                              "; ".join(problems) or "no host sync, 1 upload"))
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--platform", choices=sorted(DISABLED_CHECKS), required=True)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="default")
+    args = p.parse_args(argv)
+    reports = export_step(args.shapes, args.platform)
+    for r in reports:
+        print(f"{'ok  ' if r.ok else 'FAIL'} {args.platform} {args.shapes} {r.name}: {r.detail}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

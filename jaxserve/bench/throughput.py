@@ -25,6 +25,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto",
+                   help="attention variant to measure (auto: the platform's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
         args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=not args.no_async_scheduling, seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
     )
     startup = time.perf_counter() - t0
     rng = np.random.default_rng(args.seed)

@@ -15,6 +15,7 @@ device reads it from its own `last_sampled[slot]`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -45,6 +46,7 @@ class StepInputs:
     logits_indices: Any  # i32[Q]: last token of each scheduled request
 
     @staticmethod
+    @functools.cache
     def packing(num_tokens: int, max_num_seqs: int, max_pages: int) -> Packing:
         """The packed layout of a `num_tokens` bucket (one upload per step)."""
         T, Q = num_tokens, min(num_tokens, max_num_seqs)

@@ -149,6 +149,7 @@ class ModelRunner:
         return x
 
     @staticmethod
+    @functools.cache
     def sampler_packing(num_rows: int) -> Packing:
         R = (num_rows,)
         return Packing((

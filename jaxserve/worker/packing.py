@@ -12,6 +12,7 @@ program is free slicing:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,32 +29,36 @@ class Packing:
 
     fields: tuple[tuple[str, tuple[int, ...], str], ...]
 
+    @functools.cached_property
+    def _spans(self) -> tuple[tuple[str, tuple[int, ...], str, int, int], ...]:
+        """(name, shape, kind, start, end) of every field."""
+        spans, offset = [], 0
+        for name, shape, kind in self.fields:
+            n = int(np.prod(shape))
+            spans.append((name, shape, kind, offset, offset + n))
+            offset += n
+        return tuple(spans)
+
     @property
     def size(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape, _ in self.fields)
+        return self._spans[-1][4] if self.fields else 0
 
     def pack(self, values: dict[str, Any]) -> np.ndarray:
         """Host arrays (each of its field's shape) -> one int32 buffer."""
         buf = np.empty(self.size, np.int32)
-        offset = 0
-        for name, shape, kind in self.fields:
-            n = int(np.prod(shape))
-            a = np.asarray(values[name], _KINDS[kind]).reshape(n)
-            buf[offset : offset + n] = a.astype(np.int32) if kind == "bool" else a.view(np.int32)
-            offset += n
+        for name, _, kind, start, end in self._spans:
+            a = np.asarray(values[name], _KINDS[kind]).reshape(end - start)
+            buf[start:end] = a.astype(np.int32) if kind == "bool" else a.view(np.int32)
         return buf
 
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
         """The int32 buffer -> named device arrays (inside a jitted program)."""
         out: dict[str, jax.Array] = {}
-        offset = 0
-        for name, shape, kind in self.fields:
-            n = int(np.prod(shape))
-            a = buf[offset : offset + n].reshape(shape)
+        for name, shape, kind, start, end in self._spans:
+            a = buf[start:end].reshape(shape)
             if kind == "bool":
                 a = a != 0
             elif kind != "i32":
                 a = jax.lax.bitcast_convert_type(a, jnp.dtype(_KINDS[kind]))
             out[name] = a
-            offset += n
         return out

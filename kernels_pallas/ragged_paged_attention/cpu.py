@@ -107,7 +107,7 @@ def make_plan(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
     is_decode = q_lens <= tn.decode_q_len
 
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_ids = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), max_num_seqs - 1)
+    seq_ids = jnp.minimum(_rank(cu[1:], t), max_num_seqs - 1)
     seq_ids = seq_ids.astype(jnp.int32)
     valid = t < cu[-1]
     positions = kv_lens[seq_ids] - q_lens[seq_ids] + (t - cu[seq_ids])
@@ -136,10 +136,18 @@ def _first_visible(pos: jax.Array, sliding_window: int | None) -> jax.Array:
     return jnp.zeros_like(pos) if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
 
 
+def _rank(sorted_values: jax.Array, x: jax.Array) -> jax.Array:
+    """How many of `sorted_values` are <= each x (searchsorted, side="right").
+
+    NOTE: one compare-and-count fusion; jnp.searchsorted's default lowers to a loop of
+    log2(n) steps, a nested while loop in every decode iteration."""
+    return jnp.searchsorted(sorted_values, x, side="right", method="compare_all")
+
+
 def _owner(ends: jax.Array, item: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Owner of each flat item (`ends`: inclusive cumsum of per-owner counts) and the item's
     index within its owner. Items past the end map to the last owner (callers mask them)."""
-    owner = jnp.minimum(jnp.searchsorted(ends, item, side="right"), ends.shape[0] - 1)
+    owner = jnp.minimum(_rank(ends, item), ends.shape[0] - 1)
     counts = jnp.diff(ends, prepend=0)
     return owner, item - (ends[owner] - counts[owner])
 

@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> None:
         argv = ["serve", "--base-url", args.base_url, "--num-prompts", str(w.num_prompts),
                 "--max-concurrency", str(w.concurrency), "--random-input-len", str(w.input_len),
                 "--random-output-len", str(w.output_len), "--random-range-ratio", str(w.range_ratio),
-                "--random-prefix-len", str(w.prefix_len), "--seed", "0", "--output-json", out]
+                # A seed per workload: with one seed, a longer workload's prompts would start
+                # with a shorter one's tokens and hit the server's prefix cache.
+                "--random-prefix-len", str(w.prefix_len), "--seed", str(WORKLOADS.index(w) + 1),
+                "--output-json", out]
         if args.tokenizer:
             argv += ["--tokenizer", args.tokenizer]
         print(f"== {args.label} {w.name}: {w.what}", flush=True)
@@ -148,7 +151,8 @@ def _plot(results, labels, path: str) -> None:
         ax.set_xticks(x + width * len(labels) / 2, names, rotation=30, ha="right")
         ax.set_title(title)
         ax.legend()
-    axes[0].set_yscale("log")
+    for ax in axes:
+        ax.set_yscale("log")
     fig.suptitle("jaxserve on 2 CPU cores, SmolLM2-135M float32 (docs/benchmarks.md)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -68,6 +68,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""
 
 
 def sample_lengths(length: int, ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -78,11 +79,8 @@ def sample_lengths(length: int, ratio: float, n: int, rng: np.random.Generator) 
     return rng.integers(lo, hi + 1, n)
 
 
-def make_prompts(args: argparse.Namespace) -> list[tuple[str | list[int], int, int]]:
+def make_prompts(args: argparse.Namespace, tok: Any) -> list[tuple[str | list[int], int, int]]:
     """(prompt, its length in tokens, output length) per request."""
-    from jaxserve.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(args.tokenizer)
     rng = np.random.default_rng(args.seed)
     vocab = len(tok)
     n_prompts = args.num_prompts
@@ -113,7 +111,6 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     """One streaming completion, timed per chunk like vLLM's benchmark."""
     result = RequestResult(prompt_len=prompt_len)
     start = last = time.perf_counter()
-    text = ""
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -136,7 +133,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     else:
                         result.itl.append(now - last)
                     last = now
-                    text += chunk["choices"][0].get("text") or ""
+                    result.text += chunk["choices"][0].get("text") or ""
                 elif chunk.get("usage"):
                     result.output_tokens = chunk["usage"].get("completion_tokens") or 0
         result.latency = time.perf_counter() - start
@@ -147,7 +144,10 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    prompts = make_prompts(args)
+    from jaxserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    prompts = make_prompts(args, tok)
     base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
@@ -181,6 +181,9 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    for r in results:  # servers that stream no usage (llama.cpp's): count as vLLM's bench does
+        if r.success and r.output_tokens == 0 and r.text:
+            r.output_tokens = len(tok(r.text, add_special_tokens=False).input_ids)
     return calculate_metrics(args, model, results, duration)
 
 

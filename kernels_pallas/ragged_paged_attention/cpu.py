@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
+from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, gqa_layout
 from kernels_pallas.registry import register_backend
 
 
@@ -178,21 +178,14 @@ def ragged_paged_attention(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_slots, head_dim_kv = kv_pages.shape
-    num_kv_heads = num_kv_slots // 2
-    if head_dim_kv != head_dim or num_kv_slots % 2 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q {q.shape} and kv_pages {kv_pages.shape} disagree: expected kv_pages "
-            f"[num_pages, page_size, 2 * num_kv_heads, {head_dim}] with num_q_heads "
-            f"({num_q_heads}) a multiple of num_kv_heads"
-        )
+    page_size = kv_pages.shape[1]
+    num_kv_heads, group = gqa_layout(q, kv_pages)
     max_num_seqs, pages_per_seq = page_indices.shape
     tn = tuning_for(num_tokens, max_num_seqs, pages_per_seq, page_size, **tuning)
     if plan is None:
         plan = make_plan(kv_lens, page_indices, cu_q_lens, num_seqs,
                          num_tokens=num_tokens, page_size=page_size, **tuning)
     mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
-    group = num_q_heads // num_kv_heads
     seq_pages = _ceil_div(plan.kv_lens, page_size)
     # Pages as flat rows: a 1-D gather of whole rows is XLA's fastest gather on the CPU.
     kv_rows = kv_pages.reshape(kv_pages.shape[0], -1)

@@ -39,6 +39,20 @@ from kernels_pallas.registry import register_backend
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def gqa_layout(q: jax.Array, kv_pages: jax.Array) -> tuple[int, int]:
+    """(num_kv_heads, q heads per kv head) of a q / cache pair; ValueError if they disagree."""
+    _, num_q_heads, head_dim = q.shape
+    num_kv_slots, head_dim_kv = kv_pages.shape[2:]
+    num_kv_heads = num_kv_slots // 2
+    if head_dim_kv != head_dim or num_kv_slots % 2 or num_q_heads % max(num_kv_heads, 1):
+        raise ValueError(
+            f"q {q.shape} and kv_pages {kv_pages.shape} disagree: expected kv_pages "
+            f"[num_pages, page_size, 2 * num_kv_heads, {head_dim}] with num_q_heads "
+            f"({num_q_heads}) a multiple of num_kv_heads"
+        )
+    return num_kv_heads, num_q_heads // num_kv_heads
+
+
 def token_metadata(
     kv_lens: jax.Array,  # int32[max_num_seqs]
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
@@ -95,15 +109,8 @@ def ragged_paged_attention(
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_slots, head_dim_kv = kv_pages.shape
-    num_kv_heads = num_kv_slots // 2
-    if head_dim_kv != head_dim or num_kv_slots % 2 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q {q.shape} and kv_pages {kv_pages.shape} disagree: expected kv_pages "
-            f"[num_pages, page_size, 2 * num_kv_heads, {head_dim}] with num_q_heads "
-            f"({num_q_heads}) a multiple of num_kv_heads"
-        )
-    group = num_q_heads // num_kv_heads
+    _, page_size, num_kv_slots, _ = kv_pages.shape
+    num_kv_heads, group = gqa_layout(q, kv_pages)
     pages_per_seq = page_indices.shape[1]
     if mask_value is None:
         mask_value = DEFAULT_MASK_VALUE

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from jaxserve.engine_core.request import InvalidRequestError
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -39,7 +40,8 @@ class EngineCoreMessageType(enum.IntEnum):
     READY = 0  # payload: EngineReady.to_dict()
     OUTPUTS = 1  # payload: {"outputs": [EngineCoreOutput.to_dict()], "stats": dict | None}
     UTILITY_RESULT = 2  # payload: [call_id, result, error message or None]
-    REQUEST_ERRORS = 3  # payload: [[engine request id, message], ...]: add_request refused
+    # payload: [[engine request id, message, the request's own fault], ...]: add refused
+    REQUEST_ERRORS = 3
     STARTUP_FAILED = 4  # payload: error message; the process exits next
     ENGINE_ERROR = 5  # payload: error message; the process exits next
 
@@ -63,7 +65,12 @@ class EngineCoreRequest:
 
     @classmethod
     def from_list(cls, v: list[Any]) -> EngineCoreRequest:
-        return cls(v[0], v[1], SamplingParams(**v[2]), v[3], v[4], v[5])
+        """Raises InvalidRequestError for parameters SamplingParams refuses."""
+        try:
+            params = SamplingParams(**v[2])
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
+        return cls(v[0], v[1], params, v[3], v[4], v[5])
 
 
 @dataclass
@@ -98,3 +105,13 @@ def new_ipc_addresses() -> tuple[str, str]:
     """Fresh ipc:// endpoints (input, output) for one engine core."""
     base = os.path.join(tempfile.gettempdir(), f"jaxserve-{uuid.uuid4().hex[:12]}")
     return f"ipc://{base}-in", f"ipc://{base}-out"
+
+
+def remove_ipc_files(*addresses: str) -> None:
+    """Delete the socket files behind ipc:// addresses (the binding side owns them)."""
+    for address in addresses:
+        if address.startswith("ipc://"):
+            try:
+                os.unlink(address.removeprefix("ipc://"))
+            except FileNotFoundError:
+                pass

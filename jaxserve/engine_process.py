@@ -27,7 +27,7 @@ import zmq
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
 from jaxserve.engine_core.outputs import EngineCoreOutput
-from jaxserve.engine_core.request import Request
+from jaxserve.engine_core.request import InvalidRequestError, Request
 from jaxserve.engine_messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
@@ -119,9 +119,11 @@ class EngineCoreProc:
                         arrival_time=req.arrival_time, priority=req.priority,
                         cache_salt=req.cache_salt,
                     ))
-                except (ValueError, TypeError, IndexError) as e:
-                    # A bad request must not take the engine down.
-                    errors.append([str(item[0]), str(e)])
+                except InvalidRequestError as e:  # the request's own fault
+                    errors.append([str(item[0]), str(e), True])
+                except Exception:  # a bug: log it here, keep serving the others
+                    logger.exception("adding request %r failed", item[0] if item else None)
+                    errors.append([str(item[0]) if item else "", "internal error", False])
             if errors:
                 self.output_socket.send(encode(EngineCoreMessageType.REQUEST_ERRORS, errors))
         elif kind == EngineCoreRequestType.ABORT:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 # default `max_logprobs`). The worker's sampler is compiled for this many.
 MAX_LOGPROBS = 20
 
+# Token ids and top_k land in the worker's int32 arrays.
+_INT32_MAX = 2**31 - 1
+
 # Temperatures below this are treated as greedy sampling (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -102,12 +105,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {t!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, {_INT32_MAX}], got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or a 64-bit int, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -120,8 +123,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
         for tok in self.stop_token_ids:
-            if not _is_int(tok) or tok < 0:
-                raise ValueError(f"stop_token_ids must contain only ints >= 0, got {tok!r}")
+            if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
+                raise ValueError(f"stop_token_ids must contain only ints in [0, {_INT32_MAX}], "
+                                 f"got {tok!r}")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

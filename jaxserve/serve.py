@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from jaxserve.config import EngineConfig, SchedulingPolicy, make_engine_config
@@ -30,6 +31,11 @@ def make_arg_parser() -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])
     server.add_argument("--disable-uvicorn-access-log", action="store_true")
+    server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                        help="require `Authorization: Bearer <key>` on every /v1 route "
+                             "(default: $JAXSERVE_API_KEY; unset: no authentication)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat templates sent in requests (their cost is unbounded)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context length (default: the model's)")
@@ -87,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         resolve_model(args.model)  # a missing model is a usage error, before any process starts
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+    # vLLM's VLLM_LOGGING_LEVEL: DEBUG adds e.g. the traceback behind each 500's error id.
+    level = os.environ.get("JAXSERVE_LOGGING_LEVEL", "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from jaxserve.api_server.server import run_server
 

@@ -1,17 +1,21 @@
 """The FastAPI application: OpenAI routes, vLLM's utility routes, errors.
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400
-for anything the request got wrong (types, ranges, a prompt too long), 404 for
-an unknown model, 500 only for real faults (the engine core died, a bug).
+for anything the request got wrong (types, ranges, a prompt too long), 401
+without the API key (when one is set), 404 for an unknown model, 413 for a body
+over the size limit, 503 when the engine core is gone, 500 only for bugs (a
+generic message with an error id; the details go to the log).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
-from jaxserve.api_server.engine_client import EngineDeadError
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.protocol import (
     ChatCompletionRequest,
@@ -45,12 +48,18 @@ logger = logging.getLogger(__name__)
 
 # Not an HTTP status a client sees: nginx's "client closed request", for logs.
 CLIENT_CLOSED_REQUEST = 499
+# Request bodies above this are refused before they are parsed (parsing runs on the event
+# loop): generous for the longest prompts max_model_len allows, far below what stalls it.
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def build_app(ctx: ServingContext, metrics: ServerMetrics,
-              on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+              on_shutdown: Callable[[], Awaitable[None]] | None = None, *,
+              api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app serving `ctx`'s model; `ctx.client` must be started.
-    `on_shutdown` runs when uvicorn shuts down (before it re-raises a SIGTERM)."""
+    `on_shutdown` runs when uvicorn shuts down (before it re-raises a SIGTERM).
+    With `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +68,9 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
             await on_shutdown()
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 
@@ -68,26 +80,16 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        # loc is ("body", field, ...): name the field as a dotted path.
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: "
-                            f"{err.get('msg')}" for err in errors) or "invalid request"
+        message, param = describe_validation_errors(e.errors())
         return error_response(message, HTTPStatus.BAD_REQUEST, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(str(e.detail), HTTPStatus(e.status_code))
 
-    @app.exception_handler(ValueError)  # e.g. the engine core refused the request
-    @app.exception_handler(EngineDeadError)
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-        err = error_from_exception(e)
-        if err.status == HTTPStatus.INTERNAL_SERVER_ERROR and not isinstance(e, EngineDeadError):
-            logger.error("request failed: %s", err.message, exc_info=e)
+    async def _other_error(raw: Request, e: Exception) -> JSONResponse:
+        err = error_from_exception(e, f"{raw.method} {raw.url.path}")
         return error_response(err.message, err.status, err.param)
 
     @app.post("/v1/completions")
@@ -100,7 +102,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+        # root is the served name, not the checkpoint's path on this machine.
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=ctx.max_model_len)
                                for name in ctx.served_model_names])
 
     @app.post("/tokenize")
@@ -109,12 +112,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = ctx.render_chat(body.messages, body.add_generation_prompt)
+            text = await ctx.render_chat(body.messages, body.add_generation_prompt)
             add_special = bool(body.add_special_tokens)
         else:
             text = body.prompt or ""
             add_special = body.add_special_tokens is not False
-        tokens = ctx.tokenizer(text, add_special_tokens=add_special).input_ids
+        tokens = await ctx.tokenize(text, add_special_tokens=add_special)
         strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
                                 token_strs=strs)
@@ -124,7 +127,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         ctx.check_model(body.model)
         if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= ctx.vocab_size):
             raise OpenAIError(f"tokens must be in [0, {ctx.vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await ctx.off_loop(ctx.tokenizer.decode, body.tokens))
 
     @app.get("/health")
     async def health() -> Response:
@@ -142,6 +145,90 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic's errors -> (message, param). The field path keeps field names and list
+    indices and drops pydantic's union-branch tags ("list[int]", "function-after[...]");
+    among a union's alternatives, our own checks (value errors) explain best, then a broken
+    constraint, then a type mismatch."""
+    def path(err: dict[str, Any]) -> str:
+        parts = [str(p) for p in err.get("loc", ())
+                 if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
+        return ".".join(parts)
+
+    if not errors:
+        return "invalid request", None
+    if errors[0].get("type") == "json_invalid":
+        loc = errors[0].get("loc", ())
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the body is not valid JSON ({errors[0].get('msg')}{where})", None
+    # Our own checks first, then broken constraints (too short, out of range), then the
+    # type mismatches every other union branch reports.
+    best = min(errors, key=lambda e: 0 if e.get("type") == "value_error"
+               else 2 if str(e.get("type", "")).endswith("_type") else 1)
+    param = path(best) or None
+    msg = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
+    fields = {path(e) for e in errors}
+    more = f" (and {len(fields) - 1} more fields)" if len(fields) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+class BodySizeLimit:
+    """413 for a request body over `max_bytes` (by its Content-Length, or counted as a
+    chunked body streams in), before anything parses it."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = error_response(f"request body is larger than {self.max_bytes:,} bytes",
+                                   HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        # No Content-Length (chunked): buffer up to the limit, then replay to the app.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await too_large(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class ApiKeyAuth:
+    """Every /v1 route needs `Authorization: Bearer <key>` (vLLM's --api-key): 401 otherwise."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers", ())).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response("invalid or missing API key (send Authorization: "
+                                          "Bearer <key>)", HTTPStatus.UNAUTHORIZED)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def run_until_disconnected(raw: Request, handler: Awaitable[Response]) -> Response:

@@ -33,6 +33,7 @@ from jaxserve.engine_messages import (
     EngineReady,
     decode,
     encode,
+    remove_ipc_files,
 )
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
@@ -43,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; nothing more will be generated."""
+
+
+class RequestRejectedError(Exception):
+    """The engine core refused a request as invalid (the request's own fault)."""
 
 
 class EngineStartupError(RuntimeError):
@@ -65,6 +70,7 @@ class EngineClient:
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._addresses = (input_address, output_address)  # ipc files this side owns
         self._input.bind(input_address)
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -135,6 +141,7 @@ class EngineClient:
         self._output.close()
         self._ctx.term()
         self._sync_ctx.term()
+        remove_ipc_files(*self._addresses)
 
     # --- requests ---------------------------------------------------------------------
 
@@ -169,15 +176,25 @@ class EngineClient:
     def _add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int, arrival_time: float
                      ) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Register the request and send it; nothing stays registered if either fails."""
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        requests = []
-        for cid, p in children:
-            self._children[cid] = request_id
-            self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
-            requests.append(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority).to_list())
-        self._send(EngineCoreRequestType.ADD, requests)
+        try:
+            frame = encode(EngineCoreRequestType.ADD, [
+                EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority).to_list()
+                for cid, p in children])
+            self._queues[request_id] = queue
+            for cid, _ in children:
+                self._children[cid] = request_id
+                self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
+            self._input.send(frame, zmq.NOBLOCK)
+        except BaseException:
+            self.output_processor.abort_request(request_id)
+            self._queues.pop(request_id, None)
+            for cid, _ in children:
+                self._children.pop(cid, None)
+                self._req_stats.pop(cid, None)
+            raise
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -216,8 +233,10 @@ class EngineClient:
                 if kind == EngineCoreMessageType.OUTPUTS:
                     self._process_outputs(payload)
                 elif kind == EngineCoreMessageType.REQUEST_ERRORS:
-                    for cid, message in payload:
-                        self._fail_request(self._children.get(cid), ValueError(message))
+                    for cid, message, own_fault in payload:
+                        error = (RequestRejectedError(message) if own_fault
+                                 else RuntimeError(f"the engine core failed to add it: {message}"))
+                        self._fail_request(self._children.get(cid), error)
                 elif kind == EngineCoreMessageType.UTILITY_RESULT:
                     call_id, result, error = payload
                     fut = self._utility_calls.pop(call_id, None)

@@ -1,25 +1,62 @@
 """OpenAI's request and response bodies (with vLLM's extra sampling fields), as pydantic models.
 
-Types are checked here (a wrong type is a 400 naming the field); value ranges
-are checked once, by SamplingParams, whose ValueErrors name the field too.
+Requests are checked here before anything else looks at them, each failure a 400 naming the
+field: strict types (`max_tokens: true` or `stream: "yes"` are errors, not coerced), every
+integer inside the range the engine can carry (int64, or tighter), valid Unicode in every
+string (a lone surrogate cannot be tokenized), and OpenAI's cap on `n`. Finer value rules
+(top_p in (0, 1], ...) are SamplingParams', whose ValueErrors name the field too.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+
+# Largest values the engine carries: int64 through msgpack and the scheduler, int32 for what
+# lands in the worker's arrays.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # OpenAI's cap on choices per request
 
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("invalid Unicode (a lone surrogate)") from None
+    return s
+
+
+def _whole(v: Any) -> Any:
+    # JSON Schema's integer includes 4.0 (and schema-driven clients send it); 4.5, true and
+    # "4" stay errors.
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+WholeInt = Annotated[int, BeforeValidator(_whole)]
+Int64 = Annotated[WholeInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[WholeInt, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[WholeInt, Field(ge=0, le=INT32_MAX)]
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI do.
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: strict types (no silent coercion of a client's mistakes)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -39,7 +76,7 @@ class ErrorResponse(OpenAIBaseModel):
 # --- shared pieces --------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
 
 
@@ -49,43 +86,47 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingRequestFields(OpenAIBaseModel):
+class SamplingRequestFields(OpenAIRequest):
     """The sampling fields shared by completions and chat completions (vLLM's names)."""
 
-    model: str | None = None
-    n: int = 1
+    model: Text | None = None
+    n: Annotated[WholeInt, Field(ge=1, le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None  # and <= vocab (serving)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
 
 
 # --- completions ----------------------------------------------------------------------
 
 
 class CompletionRequest(SamplingRequestFields):
-    prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = 16
+    # Non-empty in the schema too, so schema-driven clients (and fuzzers) know it.
+    prompt: (Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+             | NonEmptyText
+             | Annotated[list[NonEmptyText], Field(min_length=1)])
+    max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
+    suffix: Text | None = None
+    best_of: Annotated[WholeInt, Field(ge=1, le=MAX_N)] | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -124,26 +165,36 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # --- chat completions -----------------------------------------------------------------
 
 
-class ChatMessage(OpenAIBaseModel):
-    role: str
+class ContentPart(OpenAIRequest):
+    """One of OpenAI's content parts; only {"type": "text", "text": ...} is served."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(OpenAIRequest):
+    role: Text
     # A string, or OpenAI's content parts ([{"type": "text", "text": ...}, ...]).
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingRequestFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    # Deprecated by OpenAI in favour of max_completion_tokens.
+    max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[Text, Any] | None = None
 
 
 class ResponseMessage(OpenAIBaseModel):
@@ -227,11 +278,11 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     """vLLM's /tokenize: either `prompt` (completion style) or `messages` (chat style)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
@@ -245,9 +296,9 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(OpenAIRequest):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -66,10 +66,11 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
     )
     ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
-                         model_path=files.path, max_model_len=ready.max_model_len,
-                         vocab_size=ready.vocab_size)
+                         max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+                         trust_request_chat_template=args.trust_request_chat_template)
+    app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(
-        build_app(ctx, metrics, on_shutdown=client.shutdown), host=args.host, port=args.port,
+        app, host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
     ))

@@ -1,29 +1,37 @@
 """What the OpenAI endpoints share (vLLM's `OpenAIServing`): model check,
-prompt-length and sampling validation, errors, and the SSE plumbing."""
+prompt-length and sampling validation, errors, and the SSE plumbing.
+
+Error taxonomy: `OpenAIError` is the request's own fault (4xx, its field named); an
+engine that is gone is 503; anything else is a bug: 500 with a generic message and an
+error id, logged once with the id (traceback at debug level).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
-import pydantic
 from fastapi.responses import JSONResponse
 
 from jaxserve.api_server.dp_client import DPEngineClient
-from jaxserve.api_server.engine_client import EngineClient, EngineDeadError
+from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
 from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("jaxserve.api_server")
 
 
 class OpenAIError(Exception):
-    """An error to send as OpenAI's body: {"error": {message, type, param, code}}."""
+    """The request's own fault, sent as OpenAI's body {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
                  param: str | None = None) -> None:
@@ -33,7 +41,9 @@ class OpenAIError(Exception):
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -48,15 +58,21 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
     return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
 
 
-def error_from_exception(e: BaseException) -> OpenAIError:
-    """Map what generation can raise to an OpenAIError (ValueError: the user's fault)."""
+def error_from_exception(e: BaseException, where: str = "request") -> OpenAIError:
+    """Map what handling a request can raise to an OpenAIError. Only OpenAIError and the
+    engine's refusal of a request are the request's fault; a bug is logged here, once."""
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, RequestRejectedError):
+        return OpenAIError(str(e), HTTPStatus.BAD_REQUEST)
     if isinstance(e, EngineDeadError):
-        return OpenAIError(str(e), HTTPStatus.INTERNAL_SERVER_ERROR)
-    if isinstance(e, ValueError) and not isinstance(e, pydantic.ValidationError):  # ours: a bug
-        return OpenAIError(str(e), HTTPStatus.BAD_REQUEST, _param_of(str(e)))
-    return OpenAIError(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+        return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s failed with an internal error (error id %s): %s", where, error_id,
+                 type(e).__name__)
+    logger.debug("error id %s", error_id, exc_info=e)
+    return OpenAIError(f"internal server error (error id {error_id})",
+                       HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def _param_of(message: str) -> str | None:
@@ -72,9 +88,17 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(e: BaseException) -> str:
-    err = error_from_exception(e)
+def sse_error(e: BaseException, where: str) -> str:
+    err = error_from_exception(e, where)
     return sse(error_body(err.message, err.status, err.param).model_dump_json())
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest token: a text longer than this times N tokens
+    has more than N tokens, so it can be refused without tokenizing it."""
+    vocab = tokenizer.get_vocab()
+    # Byte-level BPE spells each byte as one character, so this bounds the decoded length.
+    return max(max((len(t) for t in vocab), default=1), 1)
 
 
 @dataclass
@@ -84,13 +108,41 @@ class ServingContext:
     client: EngineClient | DPEngineClient
     tokenizer: Any
     served_model_names: list[str]
-    model_path: str
     max_model_len: int
     vocab_size: int
+    trust_request_chat_template: bool = False
+    # Tokenizing and rendering templates run here, off the event loop: a large request must
+    # not stall /health or other clients' streams.
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize"))
+    max_token_chars: int = 0  # longest_token_chars(tokenizer), computed when 0
+
+    def __post_init__(self) -> None:
+        if not self.max_token_chars:
+            self.max_token_chars = longest_token_chars(self.tokenizer)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_token_chars * self.max_model_len
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, lambda: fn(*args, **kwargs))
+
+    def check_text_size(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit max_model_len."""
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                f"{param} has {len(text):,} characters: more than max_model_len "
+                f"({self.max_model_len}) tokens can hold", param=param)
+
+    async def tokenize(self, text: str, param: str = "prompt", **kwargs: Any) -> list[int]:
+        self.check_text_size(text, param)
+        return (await self.off_loop(self.tokenizer, text, **kwargs)).input_ids
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -121,6 +173,12 @@ class ServingContext:
         """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if request.top_k is not None and request.top_k > self.vocab_size:
+            raise OpenAIError(f"top_k must be at most the vocabulary size ({self.vocab_size}), "
+                              f"got {request.top_k}", param="top_k")
+        if any(t >= self.vocab_size for t in request.stop_token_ids or ()):
+            raise OpenAIError(f"stop_token_ids must be in [0, {self.vocab_size})",
+                              param="stop_token_ids")
         kwargs: dict[str, Any] = dict(
             n=request.n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
@@ -137,30 +195,48 @@ class ServingContext:
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e))) from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
-        """The model's chat template applied to `messages` (text content parts joined)."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool = False,
+                          chat_template_kwargs: dict[str, Any] | None = None,
+                          chat_template: str | None = None) -> str:
+        """The model's chat template applied to `messages` (text content parts joined),
+        rendered off the event loop. A template sent with the request is refused unless the
+        server trusts them (vLLM's --trust-request-chat-template): its cost is unbounded."""
         conversation = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
         if not conversation:
             raise OpenAIError("messages must not be empty", param="messages")
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        except Exception as e:  # a template error is the conversation's fault
-            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+        self.check_text_size("".join(c["content"] for c in conversation), "messages")
+        kwargs = dict(chat_template_kwargs or {})
+        if "chat_template" in kwargs:
+            chat_template = kwargs.pop("chat_template")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError("a chat template in the request is refused: the server was not "
+                              "started with --trust-request-chat-template", param="chat_template")
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+
+        def render() -> str:
+            try:
+                return self.tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, **kwargs)
+            except Exception as e:  # a template error is the conversation's fault
+                raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+        text = await self.off_loop(render)
+        self.check_text_size(text, "messages")
+        return text
 
 
-def _text_content(content: str | list[dict[str, Any]] | None) -> str:
+def _text_content(content: str | list[Any] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text":
-            raise OpenAIError(f"content parts of type {part.get('type')!r} are not supported "
-                              "(text only)", param="messages")
-        parts.append(part.get("text", ""))
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(f"content parts must be {{'type': 'text', 'text': ...}} (text only), "
+                              f"got type {part.type!r}", param="messages")
+        parts.append(part.text)
     return "\n".join(parts)
 
 

@@ -32,7 +32,6 @@ from jaxserve.api_server.serving import (
     visible_text_end,
 )
 from jaxserve.outputs import Logprob, RequestOutput
-from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat:
@@ -49,10 +48,11 @@ class OpenAIServingChat:
             raise OpenAIError("only response_format {'type': 'text'} is supported",
                               param="response_format")
         num_top = self._num_top_logprobs(request)
-        text = ctx.render_chat(request.messages, request.add_generation_prompt,
-                               request.continue_final_message, request.chat_template_kwargs)
+        text = await ctx.render_chat(request.messages, request.add_generation_prompt,
+                                     request.continue_final_message, request.chat_template_kwargs,
+                                     request.chat_template)
         # The template already holds the special tokens (BOS etc.), as in vLLM.
-        token_ids = ctx.tokenizer(text, add_special_tokens=False).input_ids
+        token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
         requested = request.max_completion_tokens
         max_tokens = ctx.check_prompt(token_ids, request.max_tokens if requested is None else requested)
         params = ctx.sampling_params(request, max_tokens, num_top)
@@ -75,9 +75,6 @@ class OpenAIServingChat:
         if request.top_logprobs is not None:
             if not request.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-            if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                                  f"{request.top_logprobs}", param="top_logprobs")
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, created: int,
@@ -145,7 +142,7 @@ class OpenAIServingChat:
                     usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                                     total_tokens=num_prompt + num_generated)).model_dump_json())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse_error(e)
+            yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
 
 

@@ -31,6 +31,12 @@ from jaxserve.api_server.serving import (
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
+# A request fans out into prompts x n engine sequences; bound it (one request must not be
+# able to fill the engine's queues for everyone).
+MAX_PROMPTS = 128
+MAX_SEQUENCES = 256
+
+
 class OpenAIServingCompletion:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
@@ -46,7 +52,10 @@ class OpenAIServingCompletion:
         if request.echo and request.logprobs is not None:
             raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not "
                               "computed)", param="echo")
-        prompts = self._prompts(request.prompt)
+        prompts = await self._prompts(request.prompt)
+        if len(prompts) * request.n > MAX_SEQUENCES:
+            raise OpenAIError(f"{len(prompts)} prompts x n={request.n} exceeds {MAX_SEQUENCES} "
+                              "sequences per request", param="n")
         gens: list[AsyncGenerator[RequestOutput, None]] = []
         arrival = time.monotonic()
         request_id = f"cmpl-{random_uuid()}"
@@ -68,18 +77,21 @@ class OpenAIServingCompletion:
         return Response(self._full_response(request, request_id, created, prompts, final)
                         .model_dump_json(), media_type="application/json")
 
-    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) of each prompt."""
+    async def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt; texts tokenized off the event loop."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
+        if len(prompt) > MAX_PROMPTS:
+            raise OpenAIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
+                              param="prompt")
         out: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self.ctx.tokenizer(p).input_ids))
+                out.append((p, await self.ctx.tokenize(p)))
             else:
                 out.append((None, list(p)))
         return out
@@ -144,7 +156,7 @@ class OpenAIServingCompletion:
                                     total_tokens=num_prompt + num_generated))
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse_error(e)
+            yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
 
     def _delta(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],

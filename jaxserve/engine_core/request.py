@@ -25,6 +25,10 @@ from jaxserve.outputs import FinishReason
 from jaxserve.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request that can never run (its own fault): refused to its sender, never fatal."""
+
+
 class RequestStatus(enum.IntEnum):
     """Life cycle: WAITING -> RUNNING (<-> PREEMPTED) -> one FINISHED_* state."""
 

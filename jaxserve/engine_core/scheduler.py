@@ -31,7 +31,7 @@ from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
-from jaxserve.engine_core.request import Request, RequestStatus
+from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_stop
@@ -86,13 +86,13 @@ class Scheduler:
     # --- requests in and out ------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; raises ValueError for one that can never run."""
+        """Queue a new request; raises InvalidRequestError for one that can never run."""
         if request.req_id in self.requests:
-            raise ValueError(f"request id {request.req_id!r} is already in the engine")
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in the engine")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {request.req_id!r} has an empty prompt")
+            raise InvalidRequestError(f"request {request.req_id!r} has an empty prompt")
         if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {request.num_prompt_tokens:,} tokens but --max-model-len is "
                 f"{self.max_model_len:,} (room for at least one output token is needed)"
             )

@@ -103,7 +103,7 @@ class InputBatch:
         self.num_blocks[slot] = 0
         self.append_blocks(slot, block_ids)
         self.temperature[slot] = params.temperature
-        self.top_k[slot] = max(params.top_k, 0)
+        self.top_k[slot] = min(max(params.top_k, 0), self.vocab_size)  # more than V: all
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         self.repetition_penalty[slot] = params.repetition_penalty

@@ -21,6 +21,7 @@ can prepare step N+1 before step N's tokens come back (async scheduling).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ from jaxserve.worker.packing import Packing
 from jaxserve.worker.sampler import SamplerMode, SamplerOutput, SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
+
+
+def request_seed(engine_seed: int, req_id: str) -> int:
+    """The sampling seed of a request that brings none: a hash of the engine seed and the
+    request id, the same in every process and every run (Python's hash() is salted per
+    process, which made multi-host processes sample different tokens)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{req_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -208,7 +217,10 @@ class ModelRunner:
         return self.execute_model_async(so).result()
 
     def _update_batch(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        # Sorted: a set's order follows Python's per-process hash salt, and the order slots
+        # are freed in decides where the next requests land; every process of a multi-host
+        # engine must place them alike.
+        for req_id in sorted(so.finished_req_ids | so.preempted_req_ids):
             self.batch.remove_request(req_id)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
@@ -218,7 +230,7 @@ class ModelRunner:
             self.batch.num_computed_tokens[slot] = computed
         for new in so.scheduled_new_reqs:
             p = new.sampling_params
-            seed = p.seed if p.seed is not None else hash((self.seed, new.req_id)) & 0xFFFFFFFF
+            seed = p.seed if p.seed is not None else request_seed(self.seed, new.req_id)
             token_ids = [*new.prompt_token_ids, *new.output_token_ids]
             slot = self.batch.add_request(
                 new.req_id, token_ids, p, new.block_ids, new.num_computed_tokens, seed

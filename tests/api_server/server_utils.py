@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import socket
@@ -20,6 +21,12 @@ SMALL_ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16",
                      "--kv-cache-memory-bytes", str(256 << 20)]
 
 
+def ipc_files() -> set[str]:
+    """The ZeroMQ socket files of every jaxserve server on this machine."""
+    base = os.path.join(tempfile.gettempdir(), "jaxserve-")
+    return set(glob.glob(base + "*-in")) | set(glob.glob(base + "*-out"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,13 +36,16 @@ def free_port() -> int:
 class RemoteServer:
     """A running server; `stop()` (or the context manager) ends it."""
 
-    def __init__(self, args: list[str], start_timeout: float = 240.0) -> None:
+    def __init__(self, args: list[str], start_timeout: float = 240.0,
+                 module: str = "jaxserve.serve", env: dict[str, str] | None = None,
+                 api_key: str = "EMPTY") -> None:
         self.port = free_port()
+        self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxserve-server-", suffix=".log",
                                                delete=False)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
              "--disable-uvicorn-access-log", *args],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -60,10 +70,10 @@ class RemoteServer:
         return self.base_url + path
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url("/v1"), api_key="EMPTY", max_retries=0, **kw)
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key, max_retries=0, **kw)
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key="EMPTY", max_retries=0, **kw)
+        return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=self.api_key, max_retries=0, **kw)
 
     def read_log(self) -> str:
         self.log.flush()

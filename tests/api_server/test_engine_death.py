@@ -1,61 +1,100 @@
-"""The engine-core process dies: in-flight requests fail, /health says 503, the server
-exits non-zero, and nothing hangs. Also a failed start-up exits cleanly."""
+"""The engine core fails: killed (SIGKILL) or its worker raises on the N-th forward (vLLM's
+fault injection). Every in-flight request gets an error, new requests get 503, /health
+says 503, the server exits non-zero, its IPC files are gone and nothing hangs. Also a
+failed start-up exits cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
-from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer, ipc_files
 
 pytestmark = pytest.mark.slow
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
-def test_engine_death_fails_requests_and_exits_non_zero() -> None:
-    with RemoteServer(SMALL_ENGINE_ARGS) as server:
-        non_stream: dict[str, httpx.Response] = {}
-        t = threading.Thread(target=lambda: non_stream.setdefault(
-            "r", httpx.post(server.url("/v1/completions"), json=LONG, timeout=60)))
-        t.start()
-        with httpx.stream("POST", server.url("/v1/completions"), json={**LONG, "stream": True},
-                          timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line).startswith("data: {")
+def wait_running(server: RemoteServer, n: int, timeout: float = 60) -> None:
+    """Until the engine reports `n` running requests (an event, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while server.metrics()["jaxserve:num_requests_running"] < n:
+        assert time.monotonic() < deadline, f"never {n} running"
+        time.sleep(0.05)
+
+
+async def stream_until_error(client: httpx.AsyncClient, url: str) -> list[str]:
+    """The data lines of one streamed completion, read to its end."""
+    async with client.stream("POST", url, json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        return [line async for line in r.aiter_lines() if line]
+
+
+async def fail_in_flight(server: RemoteServer, kill: bool) -> tuple[list[list[str]], httpx.Response]:
+    """Three streamed and one plain request in flight when the engine fails (killed by us,
+    or by its own injected fault); returns their streams and the plain response."""
+    url = server.url("/v1/completions")
+    async with httpx.AsyncClient(timeout=120) as client:
+        streams = [asyncio.ensure_future(stream_until_error(client, url)) for _ in range(3)]
+        plain = asyncio.ensure_future(client.post(url, json=LONG))
+        if kill:
+            await asyncio.to_thread(wait_running, server, 4)
             os.kill(server.engine_pid(), signal.SIGKILL)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        assert '"error"' in rest[-2] and "engine core" in rest[-2], rest[-3:]
-        t.join(30)
-        assert non_stream["r"].status_code == 500
-        assert "died" in non_stream["r"].json()["error"]["message"]
-        # /health reports 503 until the server exits (after a short grace period).
-        health = httpx.get(server.url("/health"), timeout=5)
-        assert health.status_code == 503
-        assert server.proc.wait(timeout=30) == 1
-        assert "engine core process died" in server.read_log()
+        return await asyncio.gather(*streams), await plain
+
+
+@pytest.mark.parametrize("kill", [True, False], ids=["sigkill", "worker-raises"])
+def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool) -> None:
+    before = ipc_files()
+    # The faulty worker raises on its 60th forward: after the 4 requests are all running,
+    # long before any of them (400 tokens) could finish.
+    server = RemoteServer(SMALL_ENGINE_ARGS, module="tests.api_server.faulty_serve",
+                          env={"JAXSERVE_TEST_FAIL_AT_STEP": "0" if kill else "60"})
+    try:
+        assert ipc_files() - before, "the server's IPC files exist while it runs"
+        streams, plain = asyncio.run(fail_in_flight(server, kill))
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]"
+            assert '"error"' in lines[-2] and "engine core" in lines[-2], lines[-3:]
+            assert '"code": 503' in lines[-2] or '"code":503' in lines[-2], lines[-2]
+        assert plain.status_code == 503, plain.text
+        assert "engine core" in plain.json()["error"]["message"]
+        # New requests: 503 until the server exits (after a short grace period).
+        late = httpx.post(server.url("/v1/completions"), json=LONG, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "ServiceUnavailableError"
+        assert httpx.get(server.url("/health"), timeout=5).status_code == 503
+        assert server.proc.wait(timeout=60) == 1
+        log = server.read_log()
+        assert ("engine core process died" in log) if kill else ("injected fault on forward 60" in log)
+    finally:
+        server.stop()
+    assert not ipc_files() - before, "IPC files left behind"
+
+
+def test_clean_stop_removes_ipc_files() -> None:
+    before = ipc_files()
+    with RemoteServer(SMALL_ENGINE_ARGS) as server:
+        assert ipc_files() - before
+    assert not ipc_files() - before
 
 
 def test_engine_startup_failure_exits_non_zero() -> None:
     # 100,000 tokens exceeds the model's context: the engine core refuses to start.
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jaxserve.serve", "--port", "0", "--max-model-len", "100000",
          "--kv-cache-memory-bytes", str(256 << 20)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "engine core failed to start" in proc.stderr and "100000" in proc.stderr
-    assert time.monotonic() - t0 < 120
 
 
 def test_bad_arguments_exit_before_starting_anything() -> None:

@@ -118,6 +118,7 @@ def test_abort_frees_pages_and_bad_requests_are_reported(engine) -> None:
     kind, payload = recv()
     assert kind == EngineCoreMessageType.REQUEST_ERRORS
     assert payload[0][0] == "too-long" and "80 tokens" in payload[0][1]
+    assert payload[0][2] is True  # the request's own fault: a 400, not a 500
     send(EngineCoreRequestType.ABORT, ["long"])
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

@@ -202,12 +202,12 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
     ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens", ["600", "512"]),
     ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p", ["top_p"]),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature"]),
-    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", ["n must"]),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", ["n: ", "greater than or equal to 1"]),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", ["logprobs"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", ["max_tokens"]),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", ["prompt"]),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", ["49152"]),
-    ("/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", ["at least 1"]),
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 30}, 400,
      "top_logprobs", ["20"]),
@@ -236,14 +236,15 @@ def test_errors_through_the_openai_client(client: openai.OpenAI) -> None:
 # --- disconnects, load, metrics -----------------------------------------------------------
 
 
-def _wait_idle(server: RemoteServer, timeout: float = 15.0) -> dict[str, float]:
+def _wait_idle(server: RemoteServer, timeout: float = 60.0) -> dict[str, float]:
+    """Until nothing runs or waits and no page is used; the caller asserts on what it got."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
         if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
                 and m["jaxserve:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
             return m
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
@@ -254,15 +255,24 @@ def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
             seen += line.startswith("data: ")
             if seen == 3:
                 break
-        assert server.metrics()["jaxserve:num_requests_running"] == 1
+        assert server.metrics()["jaxserve:num_requests_running"] >= 1
     # Leaving the block closed the connection mid-stream.
     m = _wait_idle(server)
     assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
     assert m["jaxserve:generation_tokens_total"] > 0
-    # A non-streaming request whose client gives up is aborted too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url("/v1/completions"), timeout=1.5,
-                   json={"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True})
+
+    # A non-streaming request whose client gives up (once the engine runs it) is aborted too.
+    async def give_up() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.ensure_future(client.post(server.url("/v1/completions"), json={
+                "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True}))
+            while (await asyncio.to_thread(server.metrics))["jaxserve:num_requests_running"] < 1:
+                assert not task.done(), "the request finished before it was seen running"
+                await asyncio.sleep(0.02)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(give_up())
     m = _wait_idle(server)
     assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
 

@@ -114,10 +114,11 @@ def test_chunked_prefill_preemption_and_prefix_caching_keep_greedy_outputs(refer
 
 
 def test_prefix_cache_hits_are_observable(llm: LLM) -> None:
-    shared = "You are a careful assistant. Answer briefly and precisely. " * 4
+    # A prefix no other test of this module's shared engine sends: the first is uncached.
+    shared = "Prefix-cache test 41. You are a careful assistant. Answer briefly. " * 4
     first = llm.generate([shared + "What is 2+2?"], GREEDY, use_tqdm=False)[0]
     second = llm.generate([shared + "What is 3+3?"], GREEDY, use_tqdm=False)[0]
-    assert first.num_cached_tokens == 0 or first.num_cached_tokens is None or True
+    assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= 16 * (len(llm.get_tokenizer()(shared).input_ids) // 16) - 16
     assert second.num_cached_tokens > 0
 

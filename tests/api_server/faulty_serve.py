@@ -1,0 +1,43 @@
+"""`python -m jaxserve.serve` with a worker that raises on its N-th forward (vLLM's fault
+injection): `JAXSERVE_TEST_FAIL_AT_STEP=N python -m tests.api_server.faulty_serve ARGS`.
+
+The engine core is a spawned process, which imports this module again as `__mp_main__`
+before it runs: that is where the runner is patched, so the API server (which must not
+import JAX) is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+FAIL_AT = int(os.environ.get("JAXSERVE_TEST_FAIL_AT_STEP", "0"))
+
+
+class InjectedFault(RuntimeError):
+    """The failure this module injects."""
+
+
+def _patch_model_runner() -> None:
+    from jaxserve.worker.model_runner import ModelRunner
+
+    original, calls = ModelRunner.execute_model_async, [0]
+
+    def execute_model_async(self: ModelRunner, scheduler_output: Any) -> Any:
+        # Both step paths (execute_model too) come through here.
+        calls[0] += 1
+        if calls[0] == FAIL_AT:
+            raise InjectedFault(f"injected fault on forward {FAIL_AT}")
+        return original(self, scheduler_output)
+
+    ModelRunner.execute_model_async = execute_model_async
+
+
+if __name__ == "__mp_main__" and FAIL_AT:
+    _patch_model_runner()
+
+if __name__ == "__main__":
+    from jaxserve.serve import main
+
+    sys.exit(main())

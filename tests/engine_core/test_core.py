@@ -110,6 +110,27 @@ def test_abort_through_the_core():
         assert core.scheduler.kv_cache_manager.usage == 0.0
 
 
+def test_abort_on_the_final_step():
+    """An abort that arrives while the step sampling a request's last token is in flight
+    (vLLM's test_abort_final_step): the request ends once, as aborted, the in-flight token is
+    dropped, its pages go back and the worker forgets it."""
+    core, worker = make_core(async_scheduling=True)
+    core.add_request(Request("a", [10, 11, 12], SamplingParams(max_tokens=3, ignore_eos=True)))
+    core.add_request(Request("b", [20, 21, 22], SamplingParams(max_tokens=6, ignore_eos=True)))
+    seen: dict[str, list[int]] = {}
+    for _ in range(3):  # dispatch steps 1..3 (3 samples a's last token), await 1..2
+        for o in core.step_with_batch_queue() or ():
+            assert not o.finished
+            seen.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert len(core.batch_queue) == 1 and len(seen["a"]) == 2
+    core.abort_requests("a")
+    tokens, finish = run(core, use_batch_queue=True)
+    assert "a" not in finish and "a" not in tokens  # nothing more for a, finished or not
+    assert finish == {"b": FinishReason.LENGTH} and len(seen["b"] + tokens["b"]) == 6
+    assert "a" not in worker.reqs and core.scheduler.kv_cache_manager.usage == 0.0
+    assert not core.scheduler.has_requests()
+
+
 def test_stats_from_the_core():
     core, _ = make_core(async_scheduling=False)
     for i in range(3):

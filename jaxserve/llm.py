@@ -15,7 +15,7 @@ from tqdm import tqdm
 from jaxserve.config import make_engine_config
 from jaxserve.engine import build_engine_core
 from jaxserve.engine_core.request import Request
-from jaxserve.model_files import resolve_model
+from jaxserve.model_files import model_eos_token_ids, resolve_model
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -30,7 +30,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are those of `make_engine_config` (vLLM's names)."""
         config = make_engine_config(model, **engine_args)
-        self.tokenizer = load_tokenizer(resolve_model(model))
+        files = resolve_model(model)
+        self.tokenizer = load_tokenizer(files)
+        self._model_eos = model_eos_token_ids(files)
         built = build_engine_core(config, self._eos())
         self.engine = built
         self.engine_core = built.core
@@ -115,7 +117,10 @@ class LLM:
         vocab = self.engine.worker.arch.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+        if any(tok >= vocab for tok, _ in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         request_id = str(next(self._counter))
+        params = params.with_model_eos(self._model_eos)
         for cid, p in self.output_processor.add_request(request_id, text, token_ids, params):
             self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority))
         return request_id

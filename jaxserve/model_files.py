@@ -6,6 +6,7 @@ JAX-free: the API server uses it to find the tokenizer.
 from __future__ import annotations
 
 import enum
+import json
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -69,3 +70,36 @@ def resolve_model(model: str | None) -> ModelFiles:
         f"model {model!r} not found: pass a local Hugging Face directory or .gguf file "
         "(nothing is downloaded from a model hub)"
     )
+
+
+def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
+    """Every id that ends generation according to the model's own files: the GGUF's EOS /
+    end-of-turn / end-of-message ids, or config.json's and generation_config.json's
+    `eos_token_id` (an int or a list, e.g. Llama-3's <|eot_id|> beside <|end_of_text|>)."""
+    ids: set[int] = set()
+
+    def add(value: object) -> None:
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                ids.add(v)
+
+    if files.format is ModelFormat.GGUF:
+        import gguf  # JAX-free; imported here so the API server pays for it only with GGUFs
+
+        reader = gguf.GGUFReader(files.path)
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            field = reader.fields.get(f"tokenizer.ggml.{key}")
+            if field is not None:
+                add(int(field.parts[field.data[0]][0]))
+        return frozenset(ids)
+    names = ["jaxserve_orbax.json"] if files.format is ModelFormat.ORBAX else [
+        "config.json", "generation_config.json"]
+    for name in names:
+        path = os.path.join(files.path, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            add(cfg.get("eos_token_id"))
+            if isinstance(cfg.get("config"), dict):
+                add(cfg["config"].get("eos_token_id"))
+    return frozenset(ids)

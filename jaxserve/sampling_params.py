@@ -10,9 +10,10 @@ This module never imports JAX (the API server and the engine core read it).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 # The largest number of log-probabilities a request may ask for (vLLM's
@@ -21,6 +22,11 @@ MAX_LOGPROBS = 20
 
 # Token ids and top_k land in the worker's int32 arrays.
 _INT32_MAX = 2**31 - 1
+
+# logit_bias: at most this many tokens per request, each biased within +-100 (OpenAI's
+# range). The worker keeps every slot's biases in a fixed [slots, MAX_LOGIT_BIAS] table.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
 
 # Temperatures below this are treated as greedy sampling (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -47,8 +53,11 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """Sampling parameters for one request (vLLM's `SamplingParams`).
 
-    `top_k` of -1 or 0 both mean "off" and are stored as 0. `stop` and
-    `stop_token_ids` are stored as tuples so the object stays hashable.
+    `top_k` of -1 or 0 both mean "off" and are stored as 0. `stop`,
+    `stop_token_ids` and `logit_bias` ({token id: bias}, added to the logits before
+    sampling) are stored as tuples so the object stays hashable. `min_tokens` keeps
+    EOS and `stop_token_ids` from being sampled (not just from stopping the request)
+    until that many tokens exist.
     `n > 1` is fanned out into `n` engine requests by the front end: the
     engine core schedules single sequences.
     """
@@ -70,6 +79,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None
 
     def __post_init__(self) -> None:
         # Normalise first so that validation reads the stored form.
@@ -83,6 +93,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         stop_token_ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        bias = self.logit_bias or ()
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            bias = tuple(sorted((tok, b) for tok, b in pairs))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", bias)
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._verify_args()
@@ -132,6 +149,15 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, "
+                             f"got {len(self.logit_bias)}")
+        for tok, b in self.logit_bias:
+            if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {_INT32_MAX}], got {tok!r}")
+            if not _is_number(b) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, "
+                                 f"{LOGIT_BIAS_RANGE:g}], got {b!r} for token {tok}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -144,6 +170,15 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    def with_model_eos(self, eos_token_ids: Collection[int]) -> SamplingParams:
+        """These params with the model's other EOS ids (generation_config's list, a GGUF's
+        end-of-turn id) among stop_token_ids, unless ignore_eos (vLLM's
+        update_from_generation_config): they stop the request, and min_tokens keeps them out."""
+        extra = set(eos_token_ids) - set(self.stop_token_ids)
+        if self.ignore_eos or not extra:
+            return self
+        return dataclasses.replace(self, stop_token_ids=(*self.stop_token_ids, *sorted(extra)))
 
     def all_stop_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """Token ids that end the request: the sampler masks these until

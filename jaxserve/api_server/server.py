@@ -23,7 +23,7 @@ from jaxserve.api_server.serving import ServingContext
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
 from jaxserve.engine_process import launch_engine_core
-from jaxserve.model_files import resolve_model
+from jaxserve.model_files import model_eos_token_ids, resolve_model
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -67,7 +67,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-                         trust_request_chat_template=args.trust_request_chat_template)
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         model_eos_token_ids=model_eos_token_ids(files))
     app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port,

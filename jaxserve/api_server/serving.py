@@ -111,6 +111,8 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     trust_request_chat_template: bool = False
+    # The model's EOS ids besides the tokenizer's (stop requests like stop_token_ids).
+    model_eos_token_ids: frozenset[int] = frozenset()
     # Tokenizing and rendering templates run here, off the event loop: a large request must
     # not stall /health or other clients' streams.
     executor: ThreadPoolExecutor = field(
@@ -171,8 +173,13 @@ class ServingContext:
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        logit_bias = {}
+        for key, value in (request.logit_bias or {}).items():
+            # OpenAI's JSON keys are token ids as strings.
+            if not key.isdigit() or int(key) >= self.vocab_size:
+                raise OpenAIError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), "
+                                  f"got {key!r}", param="logit_bias")
+            logit_bias[int(key)] = value
         if request.top_k is not None and request.top_k > self.vocab_size:
             raise OpenAIError(f"top_k must be at most the vocabulary size ({self.vocab_size}), "
                               f"got {request.top_k}", param="top_k")
@@ -183,7 +190,7 @@ class ServingContext:
             n=request.n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output,
+            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
         )
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty,
@@ -191,7 +198,7 @@ class ServingContext:
                         frequency_penalty=request.frequency_penalty)
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**kwargs).with_model_eos(self.model_eos_token_ids)
         except ValueError as e:
             raise OpenAIError(str(e), param=_param_of(str(e))) from None
 

@@ -38,6 +38,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit length (or 0)
+    # The sampler keeps it (and stop_token_ids) from being sampled before min_tokens.
+    eos_token_id: int | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -49,6 +51,7 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id,
         )
 
 

@@ -80,6 +80,8 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_seqs, np.float32)
         self.seeds = np.zeros(max_num_seqs, np.uint32)
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
+        # Sequence positions before which EOS / stop_token_ids are masked (min_tokens).
+        self.min_tokens_end = np.zeros(max_num_seqs, np.int32)
         self.vocab_size = vocab_size
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -92,8 +94,10 @@ class InputBatch:
         block_ids: list[int],
         num_computed_tokens: int,
         seed: int,
+        num_prompt_tokens: int | None = None,
     ) -> int:
-        """Place a new (or resumed) request in a free slot; returns the slot."""
+        """Place a new (or resumed) request in a free slot; returns the slot.
+        `token_ids` holds its prompt (`num_prompt_tokens`, default all) then any outputs."""
         slot = self._free_slots.pop()
         self.req_id_to_slot[req_id] = slot
         n = len(token_ids)
@@ -111,6 +115,7 @@ class InputBatch:
         self.presence_penalty[slot] = params.presence_penalty
         self.seeds[slot] = seed & 0xFFFFFFFF
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens_end[slot] = (n if num_prompt_tokens is None else num_prompt_tokens) + params.min_tokens
         return slot
 
     def append_blocks(self, slot: int, block_ids: list[int]) -> None:

@@ -20,10 +20,12 @@ can prepare step N+1 before step N's tokens come back (async scheduling).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,14 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
-from jaxserve.worker.sampler import SamplerMode, SamplerOutput, SamplingMetadata, sample
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
+from jaxserve.worker.sampler import (
+    LogitsProcessors,
+    SamplerMode,
+    SamplerOutput,
+    SamplingMetadata,
+    sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +69,13 @@ def _host(x: jax.Array) -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PenaltyState:
+    """The sampler's per-slot state on device, set when a request takes its slot."""
+
     prompt_mask: jax.Array  # bool[S, V]
     output_counts: jax.Array  # i32[S, V]
+    stop_mask: jax.Array  # bool[S, V]: EOS and stop_token_ids, masked before min_tokens
+    bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; V = unused entry
+    bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]
 
 
 class StepHandle:
@@ -110,7 +124,9 @@ class ModelRunner:
         # (From NumPy: across hosts, device_put takes host data, not another device's array.)
         self.last_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
         self.penalties = jax.device_put(
-            PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32)), replicated
+            PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32),
+                         np.zeros((S, V), bool), np.full((S, MAX_LOGIT_BIAS), V, np.int32),
+                         np.zeros((S, MAX_LOGIT_BIAS), np.float32)), replicated
         )
         self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1), donate_argnums=(3,))
         # Sampler results are replicated so every process (multi-host) holds them whole.
@@ -166,6 +182,7 @@ class ModelRunner:
             ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
             ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
             ("presence_penalty", R, "f32"), ("seeds", R, "u32"), ("positions", R, "i32"),
+            ("min_tokens_end", R, "i32"),
         ))
 
     def _sample_impl(self, num_rows: int, mode: SamplerMode, params, hidden, last_sampled,
@@ -175,24 +192,33 @@ class ModelRunner:
         md = SamplingMetadata(**u)
         logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
-        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode)
+        processors = LogitsProcessors(penalties.stop_mask[rows], penalties.bias_ids[rows],
+                                      penalties.bias_values[rows])
+        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
+                     processors)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         last_sampled = last_sampled.at[slots].set(out.sampled, mode="drop")
         counted = jnp.where(real, slots, self.max_num_seqs)
         counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
-        return last_sampled, PenaltyState(penalties.prompt_mask, counts), out
+        return last_sampled, dataclasses.replace(penalties, output_counts=counts), out
 
-    def _admit_impl(self, penalties: PenaltyState, slot, prompt_ids, output_ids):
-        """Reset a slot's penalty rows to its prompt (and outputs, when resumed).
+    def _admit_impl(self, penalties: PenaltyState, slot, prompt_ids, output_ids, stop_ids,
+                    bias_ids, bias_values):
+        """Reset a slot's rows: penalties from its prompt (and outputs, when resumed), the
+        ids min_tokens masks, its logit biases.
 
-        Both id arrays are padded with `vocab_size`, which `mode="drop"` discards.
+        Id arrays are padded with `vocab_size`, which `mode="drop"` discards.
         """
         V = penalties.prompt_mask.shape[1]
         mask = jnp.zeros((V,), bool).at[prompt_ids].set(True, mode="drop")
         counts = jnp.zeros((V,), jnp.int32).at[output_ids].add(1, mode="drop")
+        stop = jnp.zeros((V,), bool).at[stop_ids].set(True, mode="drop")
         return PenaltyState(
             penalties.prompt_mask.at[slot].set(mask),
             penalties.output_counts.at[slot].set(counts),
+            penalties.stop_mask.at[slot].set(stop),
+            penalties.bias_ids.at[slot].set(bias_ids),
+            penalties.bias_values.at[slot].set(bias_values),
         )
 
     # ---- per step ----------------------------------------------------------------------
@@ -233,17 +259,29 @@ class ModelRunner:
             seed = p.seed if p.seed is not None else request_seed(self.seed, new.req_id)
             token_ids = [*new.prompt_token_ids, *new.output_token_ids]
             slot = self.batch.add_request(
-                new.req_id, token_ids, p, new.block_ids, new.num_computed_tokens, seed
+                new.req_id, token_ids, p, new.block_ids, new.num_computed_tokens, seed,
+                num_prompt_tokens=len(new.prompt_token_ids),
             )
-            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids)
+            stop = p.all_stop_token_ids(new.eos_token_id) if p.min_tokens else ()
+            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias)
 
-    def _admit_slot(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
+    def _admit_slot(self, slot: int, prompt: list[int], outputs: list[int],
+                    stop_ids: Collection[int] = (),
+                    logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
         L, V = self.batch.max_model_len, self.model.cfg.vocab_size
         prompt_ids = np.full(L, V, np.int32)
         prompt_ids[: len(prompt)] = prompt
         output_ids = np.full(L, V, np.int32)
         output_ids[: len(outputs)] = outputs
-        self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids)
+        stop = np.fromiter((t for t in stop_ids if t < V), np.int32)
+        stop_arr = np.full(L, V, np.int32)  # padded like the others: one compiled program
+        stop_arr[: min(len(stop), L)] = stop[:L]
+        bias_ids = np.full(MAX_LOGIT_BIAS, V, np.int32)
+        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+        for i, (tok, b) in enumerate(logit_bias):
+            bias_ids[i], bias_values[i] = min(tok, V), b  # ids >= V: dropped on device
+        self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids,
+                                     stop_arr, bias_ids, bias_values)
 
     def _sampling_inputs(self, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
                          R: int) -> tuple[np.ndarray, SamplerMode]:
@@ -266,6 +304,7 @@ class ModelRunner:
             "seeds": rows(b.seeds, 0),
             # The sampled token's index in its sequence = the context length after this step.
             "positions": np.concatenate([inp.kv_lens[:n], np.zeros(R - n, np.int32)]),
+            "min_tokens_end": rows(b.min_tokens_end, 0),
         }
         mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
                                      b.min_p[slots])

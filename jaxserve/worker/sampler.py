@@ -1,7 +1,8 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
     raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
-                └─▶ penalties (repetition over prompt+output, frequency/presence
+                └─▶ min_tokens (EOS and stop ids masked) ─▶ logit_bias
+                    ─▶ penalties (repetition over prompt+output, frequency/presence
                     over output) ─▶ greedy argmax (temperature 0)
                     ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
 
@@ -60,6 +61,17 @@ class SamplingMetadata:
     presence_penalty: jax.Array  # f32; 0 = off
     seeds: jax.Array  # u32
     positions: jax.Array  # i32; index of the sampled token in its sequence
+    min_tokens_end: jax.Array  # i32; stop ids are masked while positions < this
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogitsProcessors:
+    """Per-row inputs of the logits processors that come before the penalties."""
+
+    stop_mask: jax.Array  # bool[R, V]: ids min_tokens keeps out (EOS, stop_token_ids)
+    bias_ids: jax.Array  # i32[R, B]: logit_bias token ids; V (out of range) = unused
+    bias_values: jax.Array  # f32[R, B]
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +94,16 @@ def apply_penalties(
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - md.frequency_penalty[:, None] * output_counts
     return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
+                            lp: LogitsProcessors) -> jax.Array:
+    """min_tokens: EOS and stop ids cannot be sampled before the request has min_tokens
+    outputs (vLLM's MinTokensLogitsProcessor). logit_bias: added to the logits (OpenAI's)."""
+    early = (md.positions < md.min_tokens_end)[:, None]
+    logits = jnp.where(early & lp.stop_mask, _NEG_INF, logits)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, lp.bias_ids].add(lp.bias_values, mode="drop")
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -123,12 +145,15 @@ def sample(
     output_counts: jax.Array,  # i32[R, V]
     md: SamplingMetadata,
     mode: SamplerMode = SamplerMode.FILTERED,
+    processors: LogitsProcessors | None = None,
 ) -> SamplerOutput:
     """Sample one token per row and report logprobs (of the raw model distribution).
 
     `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
     """
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if processors is not None:
+        logits = apply_logits_processors(logits, md, processors)
     logits = apply_penalties(logits, prompt_mask, output_counts, md)
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode is not SamplerMode.GREEDY:

@@ -151,6 +151,17 @@ def test_seeds_and_vllm_sampling_fields(client: openai.OpenAI) -> None:
     assert longer.usage.completion_tokens >= n + 5
 
 
+def test_logit_bias(server: RemoteServer, client: openai.OpenAI) -> None:
+    the = httpx.post(server.url("/tokenize"), json={"prompt": " the", "add_special_tokens": False},
+                     timeout=10).json()["tokens"][0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=1.0,
+                                  logit_bias={str(the): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == " the" * 6
+    for bias in ({"x": 1}, {str(10**6): 1}, {str(the): 101}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=MODEL, prompt="x", logit_bias=bias)
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs

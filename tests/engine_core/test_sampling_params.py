@@ -100,3 +100,29 @@ def test_sampling_type():
     assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
     assert SamplingParams(temperature=0.7).sampling_type is SamplingType.RANDOM
     assert SamplingParams(temperature=0.7, seed=1).sampling_type is SamplingType.RANDOM_SEED
+
+
+def test_logit_bias_is_validated_and_stored_sorted() -> None:
+    assert SamplingParams(logit_bias={5: 1, 3: -2.5}).logit_bias == ((3, -2.5), (5, 1))
+    assert SamplingParams(logit_bias=[[5, 1]]).logit_bias == ((5, 1),)  # as msgpack sends it
+    for bad in ({1: 101}, {-1: 1}, {"a": 1}, {i: 1 for i in range(301)}, {1: True}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_model_eos_ids_join_stop_token_ids_unless_ignore_eos() -> None:
+    p = SamplingParams(stop_token_ids=[9]).with_model_eos({2, 7, 9})
+    assert p.stop_token_ids == (9, 2, 7)
+    assert SamplingParams(ignore_eos=True).with_model_eos({7}).stop_token_ids == ()
+    assert SamplingParams().with_model_eos(set()).stop_token_ids == ()
+
+
+def test_model_eos_token_ids_from_config_and_generation_config(tmp_path) -> None:
+    import json
+
+    from jaxserve.model_files import ModelFiles, ModelFormat, model_eos_token_ids, resolve_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert model_eos_token_ids(ModelFiles(str(tmp_path), ModelFormat.HF, "m")) == {5, 7}
+    assert model_eos_token_ids(resolve_model(None)) == {2}  # the default GGUF's <|im_end|>

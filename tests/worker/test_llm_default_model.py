@@ -143,3 +143,26 @@ def test_logprobs_and_stop_strings(llm: LLM) -> None:
     cut = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=32, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full[: full.index(stop)]
+
+
+def test_min_tokens_keeps_eos_out_and_logit_bias_forces_a_token(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    chat = tok.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    short = llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0]
+    assert short.outputs[0].finish_reason == "stop" and len(short.outputs[0].token_ids) < 12
+    # min_tokens: EOS cannot be sampled before 12 tokens exist (not merely ignored).
+    for temperature in (0.0, 1.0):
+        out = llm.generate([chat], SamplingParams(temperature=temperature, max_tokens=40,
+                                                  min_tokens=12, seed=3), use_tqdm=False)[0]
+        ids = out.outputs[0].token_ids
+        assert len(ids) >= 12 and eos not in ids[:12], ids
+    # logit_bias +100 on one token: sampling at temperature 1 picks it every time.
+    the = tok(" the", add_special_tokens=False).input_ids[0]
+    out = llm.generate(["Once upon a time"], SamplingParams(
+        temperature=1.0, max_tokens=8, ignore_eos=True, logit_bias={the: 100.0}, seed=0),
+        use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [the] * 8
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.worker.sampler import (
+    LogitsProcessors,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
@@ -24,6 +25,7 @@ def metadata(**kw) -> SamplingMetadata:
         min_p=np.zeros(R, np.float32), repetition_penalty=np.ones(R, np.float32),
         frequency_penalty=np.zeros(R, np.float32), presence_penalty=np.zeros(R, np.float32),
         seeds=np.arange(R, dtype=np.uint32), positions=np.zeros(R, np.int32),
+        min_tokens_end=np.zeros(R, np.int32),
     )
     base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
     return SamplingMetadata(**{k: jnp.asarray(v) for k, v in base.items()})
@@ -108,6 +110,7 @@ def test_sampled_tokens_respect_filters_and_follow_the_distribution() -> None:
         temperature=jnp.full(n, 0.7), top_k=jnp.full(n, 8, jnp.int32), top_p=jnp.full(n, 0.95),
         min_p=jnp.zeros(n), repetition_penalty=jnp.ones(n), frequency_penalty=jnp.zeros(n),
         presence_penalty=jnp.zeros(n), seeds=jnp.full(n, 7, jnp.uint32), positions=jnp.arange(n, dtype=jnp.int32),
+        min_tokens_end=jnp.zeros(n, jnp.int32),
     )
     out = jax.jit(sample)(logits, jnp.zeros((n, V), bool), jnp.zeros((n, V), jnp.int32), md)
     s = np.asarray(out.sampled)
@@ -128,7 +131,7 @@ def test_seeded_rows_do_not_depend_on_the_batch(logits) -> None:
     n = 32
     md = SamplingMetadata(**{**md.__dict__, "seeds": jnp.full(n, 11, jnp.uint32),
                              "positions": jnp.arange(n, dtype=jnp.int32),
-                             **{k: jnp.resize(getattr(md, k), n) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")}})
+                             **{k: jnp.resize(getattr(md, k), n) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens_end")}})
     flat = jnp.zeros((n, V))
     out = sample(flat, jnp.zeros((n, V), bool), jnp.zeros((n, V), jnp.int32), md)
     assert len(set(np.asarray(out.sampled).tolist())) > 1
@@ -143,3 +146,30 @@ def test_logprobs_report_the_raw_distribution(logits) -> None:
     np.testing.assert_array_equal(ranks, 1)
     np.testing.assert_allclose(lps[:, 0], ref.max(-1), rtol=1e-5)
     np.testing.assert_array_equal(ids[:, 1:6], np.argsort(-logits, -1)[:, :5])
+
+
+def test_min_tokens_masks_stop_ids_and_logit_bias_adds(logits) -> None:
+    B = 4
+    stop_mask = np.zeros((R, V), bool)
+    stop_mask[:, 7] = stop_mask[:, 9] = True
+    bias_ids = np.full((R, B), V, np.int32)  # V: unused entries
+    bias_values = np.zeros((R, B), np.float32)
+    bias_ids[1, :2], bias_values[1, :2] = [3, 4], [100.0, -5.0]
+    bias_ids[2, 0], bias_values[2, 0] = 9, 100.0  # biased, but masked: still out
+    # Rows 0-2 before min_tokens (position < end), rows 3-5 past it.
+    md = metadata(temperature=np.zeros(R), positions=[4] * R, min_tokens_end=[5, 5, 5, 4, 0, 0])
+    x = logits.copy()
+    x[:, 7] = x[:, 9] = 50.0  # the stop ids would win greedy
+    lp = LogitsProcessors(jnp.asarray(stop_mask), jnp.asarray(bias_ids), jnp.asarray(bias_values))
+    out = sample(jnp.asarray(x), jnp.zeros((R, V), bool), jnp.zeros((R, V), jnp.int32), md,
+                 processors=lp)
+    expect = x.copy()
+    expect[:3, 7] = expect[:3, 9] = -np.inf
+    expect[1, 3] += 100.0
+    expect[1, 4] -= 5.0
+    np.testing.assert_array_equal(np.asarray(out.sampled), expect.argmax(-1))
+    assert np.asarray(out.sampled)[1] == 3 and np.asarray(out.sampled)[3] in (7, 9)
+    # Logprobs stay the model's own (before processors), as vLLM's raw logprobs.
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_allclose(np.asarray(out.logprobs)[:, 1:], np.sort(raw, -1)[:, ::-1][:, :20],
+                               rtol=1e-5, atol=1e-5)

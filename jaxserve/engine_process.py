@@ -154,6 +154,8 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
     select_rank_devices(dp_rank, config.parallel_config.data_parallel_size)
     # Ctrl-C reaches the whole process group; the API server shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # JAX probing for a TPU on every machine without one is not news.
+    logging.getLogger("jax._src.xla_bridge").setLevel(max(log_level, logging.WARNING))
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine core] "
                         "%(name)s: %(message)s", datefmt="%H:%M:%S")
     ctx = zmq.Context()

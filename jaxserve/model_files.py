@@ -49,9 +49,10 @@ def default_model_path() -> str:
 
 def resolve_model(model: str | None) -> ModelFiles:
     """Classify `model` (None = the default model); raises if it does not exist."""
-    if model is None:
+    path = os.path.expanduser(model) if model is not None else None
+    # The default model also answers to the name /v1/models shows for it.
+    if path is None or (model == DEFAULT_MODEL_NAME and not os.path.exists(path)):
         return ModelFiles(default_model_path(), ModelFormat.GGUF, DEFAULT_MODEL_NAME)
-    path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"{path}: a model file must be a .gguf file")

@@ -12,58 +12,128 @@ import argparse
 import asyncio
 import logging
 import os
+import re
+import socket
 import sys
 
 from jaxserve.config import EngineConfig, SchedulingPolicy, make_engine_config
 from jaxserve.model_files import resolve_model
 
 
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def human_readable_int(value: str) -> int:
+    """`8k`/`2G` -> an int, vLLM's rule: lowercase k/m/g/t are powers of 1000, uppercase (and
+    KiB/MiB/GiB/TiB) powers of 1024; kB/MB/GB decimal. Plain integers pass through."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*", value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a number or size: {value!r} (e.g. 4096, 8k, 2GiB)")
+    number, unit, binary, _ = m.groups()
+    base = 1024 if binary or (unit.isupper() and not m.group(4)) else 1000
+    result = float(number) * base ** _UNITS[unit.lower()]
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
+
+
 def make_arg_parser() -> argparse.ArgumentParser:
     """vLLM's server and engine flags (the subset jaxserve implements)."""
-    p = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     server = p.add_argument_group("server")
     server.add_argument("--model", default=None,
-                        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+                        help="HF directory or .gguf file; None: SmolLM2-135M-Instruct, bundled")
     server.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to listen on every interface")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) the API accepts; the first is reported (default: from --model)")
     server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"])
-    server.add_argument("--disable-uvicorn-access-log", action="store_true")
-    server.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="uvicorn's own log level")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic throughput / KV-usage log line")
+    # NOTE: the environment is read after parsing: --help must not print the key.
+    server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer <key>` on every /v1 route "
-                             "(default: $JAXSERVE_API_KEY; unset: no authentication)")
+                             "(or set $JAXSERVE_API_KEY; neither: no authentication)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (their cost is unbounded)")
+    server.add_argument("--allowed-origins", type=json_list, default=["*"],
+                        help="CORS: origins allowed to call the API (a JSON list)")
+    server.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods")
+    server.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
     engine = p.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=int, default=None,
+    engine.add_argument("--max-model-len", type=human_readable_int, default=None,
                         help="context length (default: the model's)")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV-cache budget in bytes (on the CPU: 2 GiB by default)")
-    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--max-num-seqs", type=int, default=64,
+                        help="most requests in the running batch")
+    engine.add_argument("--max-num-batched-tokens", type=human_readable_int, default=512,
+                        help="most tokens in one step (chunked prefill splits longer prompts)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of accelerator memory for weights, activations and KV cache")
+    engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                        help="KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
+                             "--gpu-memory-utilization of the device)")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="KV-cache pages, overriding the memory budget")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse KV pages of shared prompt prefixes")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="schedule step N+1 while step N runs")
     engine.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
-                        default="fcfs")
+                        default="fcfs", help="order of the waiting queue")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="skip compiling the buckets at start-up (compile lazily)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: float32 on the CPU, bfloat16 elsewhere)")
+    engine.add_argument("--seed", type=int, default=0,
+                        help="engine seed (requests without a seed derive theirs from it)")
     engine.add_argument("--attention-backend", default="auto",
                         help="attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
                              "reference, or any registered variant")
     engine.add_argument("--attention-interpret", action="store_true",
                         help="run Pallas attention variants in interpret mode (tests, research)")
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="devices each layer is split over")
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="stages the layers are split into")
     engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine-core processes, each with its own devices, KV cache and scheduler")
     return p
+
+
+def json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's --allowed-origins form)."""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the engine starts loading (so a port in
+    use is reported at once, not after loading and compiling). Raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -88,15 +158,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> None:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
+    args.api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     try:
         config = engine_config_from_args(args)
         resolve_model(args.model)  # a missing model is a usage error, before any process starts
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    try:
+        args.socket = bind_socket(args.host, args.port)
+    except OSError as e:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+                     + (" (is another server running there?)" if e.errno == 98 else ""))
     # vLLM's VLLM_LOGGING_LEVEL: DEBUG adds e.g. the traceback behind each 500's error id.
     level = os.environ.get("JAXSERVE_LOGGING_LEVEL", "INFO").upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    # The API server uses transformers for tokenizers only: its "PyTorch was not found"
+    # advice is noise here.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from jaxserve.api_server.server import run_server
 
     try:

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,10 +57,12 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def build_app(ctx: ServingContext, metrics: ServerMetrics,
               on_shutdown: Callable[[], Awaitable[None]] | None = None, *,
               api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              cors: dict[str, Any] | None = None) -> FastAPI:
     """The app serving `ctx`'s model; `ctx.client` must be started.
     `on_shutdown` runs when uvicorn shuts down (before it re-raises a SIGTERM).
-    With `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`."""
+    With `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`. `cors` are
+    CORSMiddleware's arguments (vLLM's --allowed-origins ...; default: any origin)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -71,6 +74,9 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
+    # Outermost: a CORS preflight (OPTIONS, no credentials) is answered before the key check.
+    app.add_middleware(CORSMiddleware, **(cors or dict(allow_origins=["*"], allow_methods=["*"],
+                                                       allow_headers=["*"])))
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 

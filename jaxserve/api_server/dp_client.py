@@ -36,6 +36,10 @@ class DPEngineClient:
         for c in self.clients:
             c.start()
 
+    def fail_in_flight(self, reason: str) -> None:
+        for c in self.clients:
+            c.fail_in_flight(reason)
+
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.shutdown() for c in self.clients))
 

@@ -116,6 +116,13 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self.dead_error is None
 
+    def fail_in_flight(self, reason: str) -> None:
+        """End every in-flight request with a 503 `reason` (the server is stopping): streams
+        send their error and [DONE] instead of being cut off."""
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        self._queues.clear()
+
     async def shutdown(self) -> None:
         """Stop the engine process and close the sockets (idempotent)."""
         if self._closed:

@@ -65,6 +65,9 @@ class ServerMetrics:
         r, labels = self.registry, ["model_name"]
         self._model_name = model_name
         self._engine_stats: dict[int, SchedulerStats] = {}  # latest, per data-parallel rank
+        # Plain running totals beside the Prometheus counters, for the periodic log line.
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0,
+                       "prefix_hits": 0}
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
@@ -122,6 +125,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc.set(sum(s.kv_cache_usage for s in latest) / len(self._engine_stats))
         self.prefix_cache_queries.inc(stats.prefix_cache_stats.queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_stats.hits)
+        self.totals["prefix_queries"] += stats.prefix_cache_stats.queries
+        self.totals["prefix_hits"] += stats.prefix_cache_stats.hits
         self.num_preemptions.inc(stats.num_preemptions)
 
     def record_output(self, s: RequestStateStats, out: EngineCoreOutput, now: float) -> None:
@@ -139,8 +144,10 @@ class ServerMetrics:
         if not n:
             return
         self.generation_tokens.inc(n)
+        self.totals["generation_tokens"] += n
         if s.num_generation_tokens == 0:
             self.prompt_tokens.inc(s.num_prompt_tokens)
+            self.totals["prompt_tokens"] += s.num_prompt_tokens
             self.time_to_first_token.observe(now - s.arrival_time)
         else:
             self.inter_token_latency.observe(now - s.last_token_time)
@@ -168,6 +175,41 @@ class ServerMetrics:
         self.request_prompt_tokens.observe(s.num_prompt_tokens)
         self.request_generation_tokens.observe(s.num_generation_tokens)
 
+    def running_waiting_usage(self) -> tuple[int, int, float]:
+        latest = self._engine_stats.values()
+        if not latest:
+            return 0, 0, 0.0
+        return (sum(s.num_running_reqs for s in latest), sum(s.num_waiting_reqs for s in latest),
+                sum(s.kv_cache_usage for s in latest) / len(latest))
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """vLLM's periodic log line: throughputs since the previous line, the batch, KV usage
+    and the prefix-cache hit rate. `line()` returns None while the server is idle."""
+
+    def __init__(self, metrics: ServerMetrics, now: float | None = None) -> None:
+        self.metrics = metrics
+        self._last = dict(metrics.totals)
+        self._last_time = time.monotonic() if now is None else now
+        self._was_idle = True
+
+    def line(self, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        totals, dt = dict(self.metrics.totals), max(now - self._last_time, 1e-9)
+        delta = {k: totals[k] - self._last[k] for k in totals}
+        self._last, self._last_time = totals, now
+        running, waiting, usage = self.metrics.running_waiting_usage()
+        idle = not (running or waiting or delta["prompt_tokens"] or delta["generation_tokens"])
+        if idle and self._was_idle:
+            return None  # one line after the work stops, then quiet
+        self._was_idle = idle
+        queries, hits = totals["prefix_queries"], totals["prefix_hits"]
+        return (f"Avg prompt throughput: {delta['prompt_tokens'] / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {delta['generation_tokens'] / dt:.1f} tokens/s, "
+                f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")

@@ -9,11 +9,22 @@ string (a lone surrogate cannot be tokenized), and OpenAI's cap on `n`. Finer va
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
+
+logger = logging.getLogger("jaxserve.api_server")
 
 # Largest values the engine carries: int64 through msgpack and the scheduler, int32 for what
 # lands in the worker's arrays.
@@ -54,9 +65,19 @@ class OpenAIBaseModel(BaseModel):
 
 
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: strict types (no silent coercion of a client's mistakes)."""
+    """A request body: strict types (no silent coercion of a client's mistakes). Unknown
+    fields are ignored with a warning naming them (vLLM's), not silently."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self) -> OpenAIRequest:
+        if self.model_extra:
+            names = sorted(self.model_extra)
+            shown = ", ".join(repr(n)[:40] for n in names[:20])
+            logger.warning("%s: ignored unknown fields %s%s", type(self).__name__, shown,
+                           f" and {len(names) - 20} more" if len(names) > 20 else "")
+        return self
 
 
 # --- errors ---------------------------------------------------------------------------

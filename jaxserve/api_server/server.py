@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
 from jaxserve.api_server.app import build_app
 from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
-from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.api_server.serving import ServingContext
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
@@ -69,8 +72,11 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          trust_request_chat_template=args.trust_request_chat_template,
                          model_eos_token_ids=model_eos_token_ids(files))
-    app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key)
-    server = uvicorn.Server(uvicorn.Config(
+    app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
+                    cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                              allow_headers=args.allowed_headers,
+                              allow_credentials=args.allow_credentials))
+    server = _Server(lambda: client.fail_in_flight("the server is shutting down"), uvicorn.Config(
         app, host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
@@ -85,15 +91,48 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
 
     client.on_dead = on_engine_dead
     client.start()
-    announce = loop.create_task(_announce_when_started(server, args.host, names[0]))
+    tasks = [loop.create_task(_announce_when_started(server, args.host, names[0]))]
+    if not getattr(args, "disable_log_stats", False):
+        tasks.append(loop.create_task(_log_stats(LoggingStatLogger(metrics))))
     try:
-        await server.serve()
+        # The socket bound at start-up (serve.bind_socket), or host:port.
+        sock = getattr(args, "socket", None)
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
-        announce.cancel()
+        for task in tasks:
+            task.cancel()
         await client.shutdown()
     if exit_code:
         logger.error("exiting: %s", client.dead_error)
     return exit_code
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending in-flight requests cleanly (an error, then [DONE]) when a
+    signal stops it, instead of letting the graceful-shutdown timeout cancel them."""
+
+    def __init__(self, on_exit: Callable[[], None], config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            # A signal handler interrupts the loop anywhere: touch its queues from the loop.
+            asyncio.get_running_loop().call_soon_threadsafe(self._on_exit)
+        super().handle_exit(sig, frame)
+
+
+# vLLM's VLLM_LOG_STATS_INTERVAL.
+LOG_STATS_INTERVAL_S = float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10"))
+
+
+async def _log_stats(stat_logger: LoggingStatLogger) -> None:
+    """vLLM's "Avg prompt throughput ..." line every 10 s while there is work."""
+    while True:
+        await asyncio.sleep(LOG_STATS_INTERVAL_S)
+        line = stat_logger.line()
+        if line:
+            logger.info("%s", line)
 
 
 async def _announce_when_started(server: uvicorn.Server, host: str, model: str) -> None:

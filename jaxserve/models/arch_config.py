@@ -41,6 +41,8 @@ class ArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Mistral: a query at position p sees keys p-W+1..p (every layer alike).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -90,6 +92,10 @@ class ArchConfig:
         if theta is None and isinstance(cfg.get("rope_parameters"), dict):
             theta = cfg["rope_parameters"].get("rope_theta")
         eos = cfg.get("eos_token_id")
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+            # Qwen's window applies to some layers only (max_window_layers): not implemented.
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -108,4 +114,5 @@ class ArchConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            sliding_window=int(window) if window else None,
         )

@@ -32,6 +32,11 @@ from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, ro
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
 
 
+def attention_options(cfg: ArchConfig) -> dict[str, Any]:
+    """The model's attention variations the kernels take (e.g. Mistral's sliding window)."""
+    return {"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}
+
+
 def paged_attention(
     q: jax.Array,  # [T, q_heads, D]
     k: jax.Array,  # [T, kv_heads, D]
@@ -43,6 +48,7 @@ def paged_attention(
     sm_scale: float,
     backend: str,
     interpret: bool,
+    options: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this layer's K/V into the stacked cache, then attend over it.
 
@@ -50,6 +56,7 @@ def paged_attention(
     and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
     paged cache and no layer is copied out of the stack.
     """
+    options = options or {}
     num_layers, num_pages, page_size = kv_cache.shape[:3]
     flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
     page_offset = layer_idx * num_pages
@@ -61,7 +68,7 @@ def paged_attention(
     with jax.named_scope("attention"):
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan,
+            sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan, **options,
         )
     return out, flat.reshape(kv_cache.shape)
 
@@ -102,7 +109,7 @@ class Attention(nn.Module):
 
         attend = functools.partial(
             paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
-            interpret=self.attention_interpret,
+            interpret=self.attention_interpret, options=attention_options(cfg),
         )
         if self.mesh is not None:
             # Each device attends with its own heads over its own slice of the cache:
@@ -197,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
         plan = kernels_pallas.attention_plan(
             md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
-            page_size=kv_cache.shape[2], backend=self.attention_backend)
+            page_size=kv_cache.shape[2], backend=self.attention_backend,
+            **attention_options(self.cfg))
         md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
         (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)

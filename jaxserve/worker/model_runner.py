@@ -349,7 +349,8 @@ class ModelRunner:
         modes = list(SamplerMode)
         total = len(self.token_buckets) + len(self.request_buckets) * len(modes) + 1
         empty = np.zeros(0, np.int32)
-        with tqdm(total=total, desc="Compiling buckets", unit="program") as bar:
+        # disable=None: a bar on a terminal, nothing in a log file (one line per update there).
+        with tqdm(total=total, desc="Compiling buckets", unit="program", disable=None) as bar:
             hidden = None
             for T in self.token_buckets:
                 inp, _, _ = self.batch.prepare([], empty, T)

@@ -173,6 +173,24 @@ def test_api_key_guards_v1_only(server: RemoteServer) -> None:
     assert [m.id for m in server.client().models.list().data] == [MODEL]
 
 
+def test_cors_preflight_passes_before_the_key_check(server: RemoteServer) -> None:
+    r = httpx.options(server.url("/v1/chat/completions"), timeout=10, headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] in ("*", "http://example.com")
+
+
+def test_unknown_fields_are_ignored_with_a_warning(server: RemoteServer) -> None:
+    r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=60,
+                   json={"prompt": "Hi", "max_tokens": 2, "frobnicate_level": 3})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while "ignored unknown fields 'frobnicate_level'" not in server.read_log():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_models_show_the_served_name_not_the_path(server: RemoteServer) -> None:
     r = httpx.get(server.url("/v1/models"), headers=AUTH, timeout=10)
     card = r.json()["data"][0]

@@ -103,3 +103,30 @@ def test_bad_arguments_exit_before_starting_anything() -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_ends_streams_cleanly_and_logs_stats() -> None:
+    """SIGINT (Ctrl-C) with a stream in flight: the stream gets an error then [DONE], the
+    server exits 0 without a traceback. While it runs, the periodic stats line is logged."""
+    before = ipc_files()
+    server = RemoteServer(SMALL_ENGINE_ARGS, env={"JAXSERVE_LOG_STATS_INTERVAL": "0.5"})
+    try:
+        with httpx.stream("POST", server.url("/v1/completions"), json={**LONG, "stream": True},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            deadline = time.monotonic() + 60
+            while "Avg generation throughput" not in server.read_log():
+                assert time.monotonic() < deadline, "no stats line"
+                time.sleep(0.1)
+            server.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], rest[-3:]
+        assert server.proc.wait(timeout=60) == 0
+        log = server.read_log()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+        assert "Compiling buckets" not in log  # no progress bar in a log file
+        assert "libtpu" not in log and "PyTorch was not found" not in log
+    finally:
+        server.stop()
+    assert not ipc_files() - before

@@ -7,6 +7,8 @@ token equal at every position.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,6 +37,22 @@ def test_tiny_models_match_transformers(kind: str, tmp_path) -> None:
         ref = hf_logits(model_dir, ids)
         np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
         assert np.abs(ours - ref).max() <= 1e-3
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_mistral_sliding_window_matches_transformers(tmp_path, backend: str) -> None:
+    # A window of 8 over 50-token prompts: most keys are out of sight.
+    model_dir = save_tiny_hf("mistral", str(tmp_path), sliding_window=8)
+    arch, params = load_checkpoint(model_dir, np.float32)
+    assert arch.sliding_window == 8
+    model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend)
+    full = LlamaForCausalLM(dataclasses.replace(arch, sliding_window=None), jnp.float32,
+                            attention_backend=backend)
+    ids = PROMPTS[2]
+    ours, ref = prompt_logits(model, params, ids), hf_logits(model_dir, ids)
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    assert np.abs(ours - ref).max() <= 1e-3
+    assert np.abs(prompt_logits(full, params, ids) - ref).max() > 1e-2  # the window matters
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path) -> None:

@@ -29,6 +29,9 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     if kind == "llama":
         cfg = transformers.LlamaConfig(**cfg_kwargs)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**cfg_kwargs)
+        model = transformers.MistralForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**cfg_kwargs)
         model = transformers.Qwen2ForCausalLM(cfg)

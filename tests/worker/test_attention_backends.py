@@ -68,3 +68,27 @@ def test_a_kernel_for_another_platform_is_refused_unless_interpreted() -> None:
 def test_llm_refuses_at_start_up(tiny_model: str) -> None:
     with pytest.raises(ValueError, match="--attention-interpret"):
         LLM(tiny_model, attention_backend="tpu", **ENGINE)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sliding_window_in_engine_matches_transformers(tmp_path, backend: str) -> None:
+    """Mistral's window (8 keys) through chunked prefill and decode, against transformers'
+    greedy continuation (full recompute each token: no cache subtleties on its side)."""
+    import torch
+    import transformers
+
+    path = save_tiny_hf("mistral", str(tmp_path), vocab_size=49152, sliding_window=8)
+    from jaxserve.tokenizer import load_tokenizer
+
+    load_tokenizer(None).save_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = []
+    for prompt in PROMPTS[:2]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY.max_tokens):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        expected.append(ids[len(prompt):])
+    llm = LLM(path, attention_backend=backend, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -1,0 +1,82 @@
+"""`python -m jaxserve.serve`'s command line as a vLLM user types it: positional model, sizes
+like 8k / 2GiB, defaults in --help, the default model by name, a port in use reported before
+anything loads; and the periodic stats line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
+from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from jaxserve.serve import human_readable_int, json_list, make_arg_parser
+
+from .server_utils import ROOT
+
+
+def test_sizes_follow_vllms_rule() -> None:
+    assert human_readable_int("4096") == 4096
+    assert human_readable_int("8k") == 8000 and human_readable_int("8K") == 8192
+    assert human_readable_int("2GiB") == human_readable_int("2G") == 2 << 30
+    assert human_readable_int("2GB") == 2 * 10**9 and human_readable_int("1.5k") == 1500
+    for bad in ("two", "1.5K7", "-3", "0.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            human_readable_int(bad)
+    assert json_list('["http://a", "http://b"]') == ["http://a", "http://b"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        json_list("*")
+
+
+def test_positional_model_and_the_default_models_name() -> None:
+    args = make_arg_parser().parse_args(["some/model", "--max-model-len", "8k",
+                                         "--kv-cache-memory-bytes", "256MiB"])
+    assert args.model_tag == "some/model" and args.max_model_len == 8000
+    assert args.kv_cache_memory_bytes == 256 << 20
+    assert resolve_model(DEFAULT_MODEL_NAME).path == default_model_path()
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve.serve", *args], cwd=ROOT,
+                          env=dict(os.environ, **(env or {})), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_help_shows_defaults_but_not_the_api_key() -> None:
+    out = _serve("--help", env={"JAXSERVE_API_KEY": "sekrit-123"})
+    assert out.returncode == 0
+    assert "(default: 64)" in out.stdout and "sekrit-123" not in out.stdout
+
+
+def test_two_different_models_and_a_port_in_use_are_usage_errors() -> None:
+    out = _serve("a.gguf", "--model", "b.gguf")
+    assert out.returncode == 2 and "two models" in out.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        t0 = time.monotonic()
+        out = _serve("--port", str(s.getsockname()[1]))
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr, out.stderr
+    assert "engine core" not in out.stderr  # refused before anything started loading
+    print(f"port in use reported after {time.monotonic() - t0:.1f} s")
+
+
+def test_stat_logger_line() -> None:
+    m = ServerMetrics("m")
+    log = LoggingStatLogger(m, now=0.0)
+    assert log.line(now=10.0) is None  # idle: quiet
+    stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25)
+    stats.prefix_cache_stats.queries, stats.prefix_cache_stats.hits = 100, 40
+    m.record_scheduler_stats(stats)
+    m.totals["prompt_tokens"] += 500
+    m.totals["generation_tokens"] += 200
+    line = log.line(now=20.0)
+    assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 "
+                    "tokens/s, Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
+                    "Prefix cache hit rate: 40.0%"), line

@@ -52,6 +52,7 @@ class _RequestState:
     seqs: list[_Sequence]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,6 +124,9 @@ class OutputProcessor:
                 continue
             self._record_events(state, out, now)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                # Every sequence of an n > 1 request brings the same rows: keep the first.
+                state.prompt_logprobs = [None] + self._logprob_entries(out.prompt_logprobs)
             if self._append(seq, out):
                 to_abort.append(out.req_id)
             elif out.finish_reason is not None:
@@ -170,14 +174,22 @@ class OutputProcessor:
                 return True
         return False
 
-    def _append_logprobs(self, seq: _Sequence, out: EngineCoreOutput, i: int) -> None:
-        lp = out.new_logprobs
-        ids, vals, rank = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
+    def _entry(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
+        """{token: Logprob} for a row: its token (with `rank`), then the top-N by rank."""
         entry = {ids[0]: Logprob(vals[0], rank, self.tokenizer.decode([ids[0]]))}
         for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
             if t not in entry:
                 entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
-        seq.logprobs.append(entry)
+        return entry
+
+    def _logprob_entries(self, lp: Any) -> list[dict[int, Logprob] | None]:
+        return [self._entry(ids, vals, rank) for ids, vals, rank
+                in zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks)]
+
+    def _append_logprobs(self, seq: _Sequence, out: EngineCoreOutput, i: int) -> None:
+        lp = out.new_logprobs
+        ids, vals, rank = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
+        seq.logprobs.append(self._entry(ids, vals, rank))
         seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + vals[0]
 
     @staticmethod
@@ -202,6 +214,7 @@ class OutputProcessor:
             outputs=[s.to_output() for s in state.seqs],
             finished=state.finished,
             metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
         )
 

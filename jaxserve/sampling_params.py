@@ -77,6 +77,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: per prompt token (but the first), its logprob given the
+    # tokens before it and the top-N. Such a request reads nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None
@@ -158,6 +161,11 @@ class SamplingParams:
             if not _is_number(b) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, "
                                  f"{LOGIT_BIAS_RANGE:g}], got {b!r} for token {tok}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -144,11 +144,11 @@ def export_step(shapes: str, platform: str) -> list[Report]:
     kv_type = "tensor<" + "x".join(map(str, kv.shape)) + "xbf16>"
     last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
     reports = []
-    forward = jax.jit(runner._stage_impl, static_argnums=(0, 1), donate_argnums=(3,))
+    forward = jax.jit(runner._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
     for T in (runner.token_buckets[0], runner.token_buckets[-1]):
         buf = jax.ShapeDtypeStruct((runner.forward_packing(T).size,), jnp.int32)
         exp = export.export(forward, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
-            0, T, stage.params, kv, last_sampled, buf)
+            0, T, False, stage.params, kv, last_sampled, buf)
         problems = check_program(exp, kv_type)
         # Inputs besides the weights: the cache and last_sampled (both on the device) and
         # the step's one packed buffer.

@@ -146,6 +146,8 @@ class CompletionRequest(SamplingRequestFields):
     max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool | None = False
     logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
+    # vLLM's: per prompt token (but the first), its logprob and the top-N.
+    prompt_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     suffix: Text | None = None
     best_of: Annotated[WholeInt, Field(ge=1, le=MAX_N)] | None = None
 
@@ -157,10 +159,19 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class LogprobInfo(OpenAIBaseModel):
+    """vLLM's Logprob as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -171,7 +171,7 @@ class ServingContext:
         return max_tokens
 
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
         logit_bias = {}
         for key, value in (request.logit_bias or {}).items():
@@ -191,6 +191,7 @@ class ServingContext:
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs,
         )
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty,

@@ -15,6 +15,7 @@ from jaxserve.api_server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    LogprobInfo,
     UsageInfo,
     random_uuid,
 )
@@ -49,9 +50,6 @@ class OpenAIServingCompletion:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must equal n)", param="best_of")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError("echo with logprobs is not supported (prompt logprobs are not "
-                              "computed)", param="echo")
         prompts = await self._prompts(request.prompt)
         if len(prompts) * request.n > MAX_SEQUENCES:
             raise OpenAIError(f"{len(prompts)} prompts x n={request.n} exceeds {MAX_SEQUENCES} "
@@ -62,7 +60,12 @@ class OpenAIServingCompletion:
         params_list = []
         for _, ids in prompts:
             max_tokens = ctx.check_prompt(ids, request.max_tokens)
-            params_list.append(ctx.sampling_params(request, max_tokens, request.logprobs))
+            # echo + logprobs reports the prompt's tokens too: it needs their logprobs.
+            prompt_lps = request.prompt_logprobs
+            if request.echo and request.logprobs is not None:
+                prompt_lps = max(prompt_lps or 0, request.logprobs)
+            params_list.append(ctx.sampling_params(request, max_tokens, request.logprobs,
+                                                   prompt_lps))
         for i, ((text, ids), params) in enumerate(zip(prompts, params_list)):
             gens.append(ctx.client.generate(f"{request_id}-{i}", text, ids, params,
                                             priority=request.priority, arrival_time=arrival))
@@ -112,9 +115,10 @@ class OpenAIServingCompletion:
                     text = self._prompt_text(prompts, i) + text
                 lps = None
                 if request.logprobs is not None and out.logprobs is not None:
-                    lps = completion_logprobs(out.token_ids, out.logprobs, 0)
+                    lps = self._logprobs(request, prompts, i, res, out.token_ids, out.logprobs, 0)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=lps,
+                    prompt_logprobs=self._prompt_logprobs(request, res),
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason))
                 num_generated += len(out.token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
@@ -139,7 +143,7 @@ class OpenAIServingCompletion:
                 async for i, res in results:
                     choices = []
                     for out in res.outputs:
-                        choice = self._delta(request, prompts, i, out, sent_chars[i],
+                        choice = self._delta(request, prompts, i, res, out, sent_chars[i],
                                              sent_tokens[i], done[i], holdback)
                         if choice is not None:
                             choices.append(choice)
@@ -160,9 +164,11 @@ class OpenAIServingCompletion:
         yield "data: [DONE]\n\n"
 
     def _delta(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
-               i: int, out: CompletionOutput, sent_chars: list[int], sent_tokens: list[int],
-               done: list[bool], holdback: int) -> CompletionResponseChoice | None:
+               i: int, res: RequestOutput, out: CompletionOutput, sent_chars: list[int],
+               sent_tokens: list[int], done: list[bool], holdback: int
+               ) -> CompletionResponseChoice | None:
         """What choice `out` adds since the previous chunk, or None if nothing."""
+        prompt_chars = len(self._prompt_text(prompts, i)) if request.echo else 0
         k = out.index
         if done[k]:
             return None
@@ -174,15 +180,55 @@ class OpenAIServingCompletion:
             text = self._prompt_text(prompts, i) + text
         if not text and not new_tokens and not finished:
             return None
-        lps = None
+        lps, first = None, sent_chars[k] == 0 and sent_tokens[k] == 0
         if request.logprobs is not None and out.logprobs is not None:
-            lps = completion_logprobs(new_tokens, out.logprobs[sent_tokens[k]:len(out.token_ids)],
-                                      sent_chars[k])
+            new_lps = out.logprobs[sent_tokens[k]:len(out.token_ids)]
+            lps = (self._logprobs(request, prompts, i, res, new_tokens, new_lps, 0) if first
+                   else completion_logprobs(new_tokens, new_lps, sent_chars[k] + prompt_chars))
         sent_chars[k] = end
         sent_tokens[k] = len(out.token_ids)
         done[k] = finished
         return CompletionResponseChoice(index=i * request.n + k, text=text, logprobs=lps,
+                                        prompt_logprobs=self._prompt_logprobs(request, res)
+                                        if first else None,
                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+    @staticmethod
+    def _prompt_logprobs(request: CompletionRequest, res: RequestOutput
+                         ) -> list[dict[int, LogprobInfo] | None] | None:
+        if request.prompt_logprobs is None or res.prompt_logprobs is None:
+            return None
+        return [None if e is None else {t: LogprobInfo(logprob=clamp_logprob(lp.logprob),
+                                                       rank=lp.rank, decoded_token=lp.decoded_token)
+                                        for t, lp in e.items()} for e in res.prompt_logprobs]
+
+    def _logprobs(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
+                  i: int, res: RequestOutput, token_ids: list[int],
+                  logprobs: list[dict[int, Logprob]], text_offset: int) -> CompletionLogProbs:
+        """The output tokens' logprobs; with echo, the prompt's first (OpenAI's echo +
+        logprobs: the first prompt token has none)."""
+        if not request.echo:
+            return completion_logprobs(token_ids, logprobs, text_offset)
+        ids = prompts[i][1]
+        plps = res.prompt_logprobs or [None] * len(ids)
+        result = CompletionLogProbs()
+        for tid, entry in zip(ids, plps):
+            token = self.ctx.tokenizer.decode([tid])
+            result.tokens.append(token)
+            result.text_offset.append(text_offset)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                top = sorted(entry.values(), key=lambda lp: lp.rank or 0)
+                result.token_logprobs.append(clamp_logprob(entry[tid].logprob))
+                result.top_logprobs.append({(lp.decoded_token or ""): clamp_logprob(lp.logprob)
+                                            for lp in top[: 1 + (request.logprobs or 0)]})
+            text_offset += len(token)
+        rest = completion_logprobs(token_ids, logprobs, text_offset)
+        for name in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
+            getattr(result, name).extend(getattr(rest, name))
+        return result
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],

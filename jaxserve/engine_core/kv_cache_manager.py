@@ -63,8 +63,8 @@ class KVCacheManager:
         NOTE: the hit never covers the last token: its logits are needed to
         sample the next token, so at least one token is always computed.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM's rule)
         cached = self.block_pool.cached_block_hash_to_block
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -44,6 +44,9 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
+    # req_id -> (prompt position of the first row, rows): row j is the logprob of prompt
+    # token first + j + 1 given the tokens before it, then the top-N (prompt_logprobs).
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
 
 
 # Returned for a step that scheduled no tokens (it only carried finished ids).

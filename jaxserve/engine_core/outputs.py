@@ -46,6 +46,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None
+    # With the first token of a prompt_logprobs request: rows for prompt tokens 1..P-1.
+    prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +68,9 @@ class EngineCoreOutput:
             "events": None
             if self.events is None
             else [[e.type.value, e.timestamp] for e in self.events],
+            "prompt_logprobs": None if self.prompt_logprobs is None else [
+                self.prompt_logprobs.token_ids, self.prompt_logprobs.logprobs,
+                self.prompt_logprobs.sampled_token_ranks],
         }
 
     @classmethod
@@ -82,4 +87,6 @@ class EngineCoreOutput:
             events=None
             if events is None
             else [EngineCoreEvent(EngineCoreEventType(t), ts) for t, ts in events],
+            prompt_logprobs=None if d.get("prompt_logprobs") is None
+            else LogprobsLists(*d["prompt_logprobs"]),
         )

@@ -95,6 +95,9 @@ class Request:
         # Prefix-cache hit length at first scheduling; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # prompt_logprobs rows by prompt position, gathered over prefill chunks until the
+        # first token goes out with them (a recompute after preemption overwrites).
+        self.prompt_logprob_rows: dict[int, tuple[list[int], list[float], int]] = {}
 
         # Hashes of the full pages of real tokens, extended as tokens arrive.
         self.block_hashes: list[BlockHash] = []

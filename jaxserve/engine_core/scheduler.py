@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue
@@ -340,6 +340,7 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
+        prompt_lps = model_runner_output.prompt_logprobs
         requests = self.requests
         async_scheduling = self.async_scheduling
         stopped_running: set[Request] = set()
@@ -351,6 +352,11 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             if index is None:
                 continue
+            if prompt_lps and req_id in prompt_lps and not request.num_output_tokens:
+                first, rows = prompt_lps[req_id]
+                for j, (ids, lps, rank) in enumerate(zip(rows.token_ids, rows.logprobs,
+                                                         rows.sampled_token_ranks)):
+                    request.prompt_logprob_rows[first + j] = (ids, lps, rank)
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue  # partial prefill: nothing sampled
@@ -370,6 +376,11 @@ class Scheduler:
             new_logprobs = None
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(index, index + 1)
+            prompt_logprobs = None
+            if request.prompt_logprob_rows:
+                rows = [request.prompt_logprob_rows[p] for p in sorted(request.prompt_logprob_rows)]
+                prompt_logprobs = LogprobsLists(*map(list, zip(*rows)))
+                request.prompt_logprob_rows = {}
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -379,6 +390,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     request.take_events() if request.has_events else None,
+                    prompt_logprobs,
                 )
             )
         if stopped_running:

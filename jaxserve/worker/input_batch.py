@@ -82,6 +82,8 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
         # Sequence positions before which EOS / stop_token_ids are masked (min_tokens).
         self.min_tokens_end = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
+        self.prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: not asked
         self.vocab_size = vocab_size
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -115,7 +117,9 @@ class InputBatch:
         self.presence_penalty[slot] = params.presence_penalty
         self.seeds[slot] = seed & 0xFFFFFFFF
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self.min_tokens_end[slot] = (n if num_prompt_tokens is None else num_prompt_tokens) + params.min_tokens
+        self.num_prompt_tokens[slot] = n if num_prompt_tokens is None else num_prompt_tokens
+        self.min_tokens_end[slot] = self.num_prompt_tokens[slot] + params.min_tokens
+        self.prompt_logprobs[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         return slot
 
     def append_blocks(self, slot: int, block_ids: list[int]) -> None:

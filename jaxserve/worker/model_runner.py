@@ -41,7 +41,7 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
-from jaxserve.sampling_params import MAX_LOGIT_BIAS
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
     SamplerMode,
@@ -82,9 +82,10 @@ class StepHandle:
     """A dispatched step; `result()` waits for its tokens (the only device sync)."""
 
     def __init__(self, runner: "ModelRunner", req_ids: list[str], samples: np.ndarray,
-                 out: SamplerOutput | None, num_logprobs: np.ndarray) -> None:
+                 out: SamplerOutput | None, num_logprobs: np.ndarray,
+                 prompt: tuple[Any, list[PromptLogprobRows]] | None = None) -> None:
         self._runner, self._req_ids, self._samples = runner, req_ids, samples
-        self._out, self._num_logprobs = out, num_logprobs
+        self._out, self._num_logprobs, self._prompt = out, num_logprobs, prompt
         self._result: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -92,7 +93,21 @@ class StepHandle:
             self._result = self._runner._to_output(
                 self._req_ids, self._samples, self._out, self._num_logprobs
             )
+            if self._prompt is not None:
+                self._result.prompt_logprobs = self._runner._prompt_output(*self._prompt)
         return self._result
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Where one request's prompt-logprob rows sit in a step: flat token rows
+    [start, start + count) give prompt positions first.. (each row predicts the next token)."""
+
+    req_id: str
+    first_position: int
+    start: int
+    count: int
+    num_logprobs: int
 
 
 class ModelRunner:
@@ -128,7 +143,8 @@ class ModelRunner:
                          np.zeros((S, V), bool), np.full((S, MAX_LOGIT_BIAS), V, np.int32),
                          np.zeros((S, MAX_LOGIT_BIAS), np.float32)), replicated
         )
-        self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1), donate_argnums=(3,))
+        self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
+        self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self._sample = jax.jit(
             self._sample_impl, static_argnums=(0, 1), donate_argnums=(4, 5),
@@ -141,7 +157,7 @@ class ModelRunner:
     def forward_packing(self, num_tokens: int) -> Packing:
         return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages)
 
-    def _stage_impl(self, index: int, num_tokens: int, params, kv_cache, x, buf):
+    def _stage_impl(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
         """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
 
         The first stage embeds (x = last_sampled: tokens sampled by the previous step
@@ -158,20 +174,66 @@ class ModelRunner:
         if st.is_last:
             # Rows for every batch slot, so the sampler's shapes do not depend on T.
             rows = jnp.pad(inp.logits_indices, (0, self.max_num_seqs - inp.logits_indices.shape[0]))
-            h = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)[rows]
+            normed = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)
+            # all_rows (prompt logprobs): every token's state too, not only the sampled rows.
+            h = (normed[rows], normed) if all_rows else normed[rows]
         return kv_cache, h
 
-    def _forward(self, inp: StepInputs) -> jax.Array:
-        """Run every stage; activations hop to the next stage's devices asynchronously."""
+    def _forward(self, inp: StepInputs, all_rows: bool = False) -> Any:
+        """Run every stage; activations hop to the next stage's devices asynchronously.
+        Returns the sampled rows' final states, and with `all_rows` every token's too."""
         T = inp.input_ids.shape[0]
         buf = self.forward_packing(T).pack(as_dict(inp))
         x = self.last_sampled
         for st in self.stages:
             if len(self.stages) > 1:
                 x = jax.device_put(x, st.replicated)
-            st.kv_cache, x = self._stage(st.index, T, st.params, st.kv_cache, x,
-                                         jax.device_put(buf, st.replicated))
+            st.kv_cache, x = self._stage(st.index, T, all_rows and st.is_last, st.params,
+                                         st.kv_cache, x, jax.device_put(buf, st.replicated))
         return x
+
+    def _prompt_logprobs_impl(self, params, hidden, targets):
+        """Per token row: the logprob of `targets` (the next prompt token), then the top-N,
+        and the target's rank; from the raw model distribution, as sampled logprobs."""
+        logits = self.model.apply(params, hidden, method=LlamaForCausalLM.compute_logits)
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top_v, top_i = jax.lax.top_k(lp, MAX_LOGPROBS)
+        target_lp = jnp.take_along_axis(lp, targets[:, None], axis=-1)
+        ranks = 1 + jnp.sum(lp > target_lp, axis=-1).astype(jnp.int32)
+        return (jnp.concatenate([targets[:, None], top_i.astype(jnp.int32)], axis=-1),
+                jnp.concatenate([target_lp, top_v], axis=-1), ranks)
+
+    def _prompt_rows(self, req_ids: list[str], slots: np.ndarray, inp: StepInputs,
+                     T: int) -> tuple[np.ndarray, list[PromptLogprobRows]] | None:
+        """The step's token rows that are prompt positions of prompt_logprobs requests (each
+        predicting the next prompt token), or None when no request needs any."""
+        b = self.batch
+        wanted = np.flatnonzero(b.prompt_logprobs[slots] >= 0)
+        if not len(wanted):
+            return None
+        targets, rows = np.zeros(T, np.int32), []
+        for i in wanted.tolist():
+            slot, end = int(slots[i]), int(inp.kv_lens[i])
+            start_tok, count = int(inp.cu_q_lens[i]), int(inp.cu_q_lens[i + 1] - inp.cu_q_lens[i])
+            first = end - count  # this chunk's first position
+            last = min(end, int(b.num_prompt_tokens[slot]) - 1)  # the last position predicts an output
+            if last <= first:
+                continue
+            n = last - first
+            targets[start_tok:start_tok + n] = b.token_ids[slot, first + 1:last + 1]
+            rows.append(PromptLogprobRows(req_ids[i], first, start_tok, n,
+                                          int(b.prompt_logprobs[slot])))
+        return (targets, rows) if rows else None
+
+    def _prompt_output(self, out: Any, rows: list[PromptLogprobRows]
+                       ) -> dict[str, tuple[int, LogprobsLists]]:
+        ids, lps, ranks = (_host(a) for a in out)
+        result = {}
+        for r in rows:
+            sl, k = slice(r.start, r.start + r.count), 1 + r.num_logprobs
+            result[r.req_id] = (r.first_position, LogprobsLists(
+                ids[sl, :k].tolist(), lps[sl, :k].tolist(), ranks[sl].tolist()))
+        return result
 
     @staticmethod
     @functools.cache
@@ -234,10 +296,18 @@ class ModelRunner:
         inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
         R = pad_to_bucket(len(req_ids), self.request_buckets)
         md, mode = self._sampling_inputs(inp, slots, samples, R)
-        hidden = self._forward(inp)
+        prompt = self._prompt_rows(req_ids, slots, inp, T)
+        hidden = self._forward(inp, all_rows=prompt is not None)
+        prompt_out = None
+        if prompt is not None:
+            # Compiled on first use (a rare request kind; warm-up does not cover it).
+            hidden, every_token = hidden
+            targets, rows = prompt
+            prompt_out = (self._prompt_lp(self.params, every_token, targets), rows)
         self.last_sampled, self.penalties, out = self._sample(
             R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
-        return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy())
+        return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
+                          prompt_out)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()

@@ -151,6 +151,37 @@ def test_seeds_and_vllm_sampling_fields(client: openai.OpenAI) -> None:
     assert longer.usage.completion_tokens >= n + 5
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(server: RemoteServer, client: openai.OpenAI) -> None:
+    n_prompt = len(httpx.post(server.url("/tokenize"), json={"prompt": PROMPTS[0]},
+                              timeout=10).json()["tokens"])
+    r = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                                         "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    assert all(1 <= len(e) <= 3 and all("logprob" in v and "rank" in v for v in e.values())
+               for e in plp[1:])
+    # echo + logprobs: the prompt's tokens first (the first without a logprob), then the output.
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True,
+                  logprobs=1)
+        if stream:
+            tokens, token_logprobs, text = [], [], ""
+            for chunk in client.completions.create(stream=True, **kw):
+                c = chunk.choices[0]
+                text += c.text
+                if c.logprobs:
+                    tokens += c.logprobs.tokens
+                    token_logprobs += c.logprobs.token_logprobs
+        else:
+            c = client.completions.create(**kw).choices[0]
+            text, tokens, token_logprobs = c.text, c.logprobs.tokens, c.logprobs.token_logprobs
+        assert text.startswith(PROMPTS[0]) and len(tokens) == n_prompt + 3
+        assert token_logprobs[0] is None and all(v is not None for v in token_logprobs[1:])
+        # The prompt's logprobs are prompt_logprobs' own.
+        for p, e in enumerate(plp[1:], start=1):
+            assert any(abs(v["logprob"] - token_logprobs[p]) < 1e-4 for v in e.values())
+
+
 def test_logit_bias(server: RemoteServer, client: openai.OpenAI) -> None:
     the = httpx.post(server.url("/tokenize"), json={"prompt": " the", "add_special_tokens": False},
                      timeout=10).json()["tokens"][0]

@@ -166,3 +166,28 @@ def test_min_tokens_keeps_eos_out_and_logit_bias_forces_a_token(llm: LLM) -> Non
     assert out.outputs[0].token_ids == [the] * 8
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def test_prompt_logprobs_equal_transformers(hf_default_model) -> None:
+    """vLLM's prompt_logprobs through chunked prefill (32-token steps), twice: the second run
+    must not read the prefix cache (every position is recomputed), and equal the first."""
+    import torch
+
+    llm = LLM(None, **{**COMMON, "max_num_batched_tokens": 32})
+    prompt = " ".join(PROMPTS[6:9])
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    ids = first.prompt_token_ids
+    assert len(ids) > 40 and first.prompt_logprobs[0] is None
+    assert len(first.prompt_logprobs) == len(second.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    for p in range(1, len(ids)):
+        for out in (first, second):
+            entry = out.prompt_logprobs[p]
+            assert ids[p] in entry and len(entry) <= 4
+            for tok, lp in entry.items():
+                assert abs(lp.logprob - ref[p - 1, tok]) <= 1e-3, (p, tok, lp, ref[p - 1, tok])
+            top = max(entry.values(), key=lambda lp: lp.logprob)
+            assert top.rank == 1 and abs(top.logprob - ref[p - 1].max()) <= 1e-3
+    llm.shutdown()

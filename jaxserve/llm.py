@@ -15,7 +15,7 @@ from tqdm import tqdm
 from jaxserve.config import make_engine_config
 from jaxserve.engine import build_engine_core
 from jaxserve.engine_core.request import Request
-from jaxserve.model_files import model_eos_token_ids, resolve_model
+from jaxserve.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ class LLM:
         files = resolve_model(model)
         self.tokenizer = load_tokenizer(files)
         self._model_eos = model_eos_token_ids(files)
+        self._generation_defaults = generation_defaults(files)
         built = build_engine_core(config, self._eos())
         self.engine = built
         self.engine_core = built.core
@@ -44,6 +45,10 @@ class LLM:
         return None if self.tokenizer.eos_token_id is None else int(self.tokenizer.eos_token_id)
 
     # ---- public API --------------------------------------------------------------------
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
+        return SamplingParams(**self._generation_defaults)
 
     def generate(
         self,
@@ -57,7 +62,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

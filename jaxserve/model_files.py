@@ -104,3 +104,25 @@ def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
             if isinstance(cfg.get("config"), dict):
                 add(cfg["config"].get("eos_token_id"))
     return frozenset(ids)
+
+
+# generation_config.json keys that are request defaults, as vLLM reads them ("auto").
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(source: ModelFiles | str) -> dict[str, float | int]:
+    """Default sampling parameters from a generation_config.json (vLLM's
+    --generation-config auto: the model directory's; or a folder given). Only sampling
+    fields a request leaves unset take them. A GGUF file has none."""
+    folder = source if isinstance(source, str) else (
+        source.path if source.format is ModelFormat.HF else None)
+    path = os.path.join(folder, "generation_config.json") if folder else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("do_sample") is False:
+        return {"temperature": 0.0}  # greedy is this model's own default
+    return {ours: cfg[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+            if isinstance(cfg.get(theirs), int | float) and not isinstance(cfg.get(theirs), bool)}

@@ -63,6 +63,18 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "(or set $JAXSERVE_API_KEY; neither: no authentication)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (their cost is unbounded)")
+    server.add_argument("--tokenizer", default=None,
+                        help="HF directory or .gguf file of the tokenizer, if not the model's")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) replacing "
+                             "the tokenizer's")
+    server.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: auto (the model's generation_config.json), vllm "
+                             "(none: vLLM's own defaults) or a folder holding one")
+    server.add_argument("--max-logprobs", type=int, default=20,
+                        help="most logprobs / prompt_logprobs a request may ask for (at most 20)")
+    server.add_argument("--root-path", default=None,
+                        help="the path prefix a reverse proxy serves this API under")
     server.add_argument("--allowed-origins", type=json_list, default=["*"],
                         help="CORS: origins allowed to call the API (a JSON list)")
     server.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods")
@@ -122,6 +134,16 @@ def json_list(value: str) -> list[str]:
     return parsed
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the argument itself (vLLM's rule)."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise argparse.ArgumentTypeError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before the engine starts loading (so a port in
     use is reported at once, not after loading and compiling). Raises OSError."""
@@ -168,6 +190,22 @@ def main(argv: list[str] | None = None) -> None:
         resolve_model(args.model)  # a missing model is a usage error, before any process starts
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    if args.chat_template is not None:
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except (argparse.ArgumentTypeError, OSError) as e:
+            parser.error(str(e))
+    if not 0 <= args.max_logprobs <= 20:
+        parser.error(f"--max-logprobs must be in [0, 20] (the sampler computes 20), "
+                     f"got {args.max_logprobs}")
+    if args.tokenizer is not None:
+        try:
+            resolve_model(args.tokenizer)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(f"--tokenizer: {e}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        parser.error(f"--generation-config: {args.generation_config!r} is neither auto, vllm "
+                     "nor a folder")
     try:
         args.socket = bind_socket(args.host, args.port)
     except OSError as e:

@@ -26,7 +26,7 @@ from jaxserve.api_server.serving import ServingContext
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
 from jaxserve.engine_process import launch_engine_core
-from jaxserve.model_files import model_eos_token_ids, resolve_model
+from jaxserve.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -39,7 +39,14 @@ ENGINE_DEAD_GRACE_S = 2.0
 async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve until interrupted; returns the process exit status."""
     files = resolve_model(config.model_config.model)
-    tokenizer = load_tokenizer(files)
+    tokenizer = load_tokenizer(files if args.tokenizer is None else args.tokenizer)
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template  # the template's text (serve.main read it)
+    defaults = ({} if args.generation_config == "vllm" else generation_defaults(
+        files if args.generation_config == "auto" else args.generation_config))
+    if defaults:
+        logger.info("sampling defaults from generation_config.json: %s "
+                    "(--generation-config vllm to ignore them)", defaults)
     eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
@@ -71,7 +78,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          trust_request_chat_template=args.trust_request_chat_template,
-                         model_eos_token_ids=model_eos_token_ids(files))
+                         model_eos_token_ids=model_eos_token_ids(files),
+                         default_sampling=defaults, max_logprobs=args.max_logprobs)
     app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                               allow_headers=args.allowed_headers,
@@ -79,6 +87,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     server = _Server(lambda: client.fail_in_flight("the server is shutting down"), uvicorn.Config(
         app, host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+        root_path=args.root_path or "",
         timeout_graceful_shutdown=5,
     ))
     loop = asyncio.get_running_loop()

@@ -113,6 +113,9 @@ class ServingContext:
     trust_request_chat_template: bool = False
     # The model's EOS ids besides the tokenizer's (stop requests like stop_token_ids).
     model_eos_token_ids: frozenset[int] = frozenset()
+    # Sampling defaults from the model's generation_config.json (--generation-config).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20  # --max-logprobs
     # Tokenizing and rendering templates run here, off the event loop: a large request must
     # not stall /health or other clients' streams.
     executor: ThreadPoolExecutor = field(
@@ -193,10 +196,15 @@ class ServingContext:
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs,
         )
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise OpenAIError(f"{name} must be at most {self.max_logprobs} "
+                                  f"(--max-logprobs), got {value}", param=name)
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                         presence_penalty=request.presence_penalty,
                         frequency_penalty=request.frequency_penalty)
+        kwargs.update(self.default_sampling)  # the model's defaults, then the request's own
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**kwargs).with_model_eos(self.model_eos_token_ids)

@@ -32,11 +32,15 @@ _spec.loader.exec_module(attack)
 KEY = "test-key-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "SmolLM2-135M-Instruct"
+# --chat-template replaces the tokenizer's (the SmolLM2 template, with a visible marker).
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n[[{{ m['content'] }}]]<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--api-key", KEY], api_key=KEY) as s:
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--api-key", KEY, "--max-logprobs", "5",
+                       "--root-path", "/proxy", "--chat-template", TEMPLATE], api_key=KEY) as s:
         yield s
 
 
@@ -189,6 +193,19 @@ def test_unknown_fields_are_ignored_with_a_warning(server: RemoteServer) -> None
     while "ignored unknown fields 'frobnicate_level'" not in server.read_log():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_server_flags_chat_template_max_logprobs_root_path(server: RemoteServer) -> None:
+    r = httpx.post(server.url("/tokenize"), timeout=10, json={
+        "messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True})
+    assert "[[" in "".join(r.json()["token_strs"])  # rendered with --chat-template
+    r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=30,
+                   json={"prompt": "x", "logprobs": 6})
+    assert r.status_code == 400 and "--max-logprobs" in r.json()["error"]["message"]
+    ok = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=30,
+                    json={"prompt": "x", "logprobs": 5, "max_tokens": 2})
+    assert ok.status_code == 200
+    assert httpx.get(server.url("/openapi.json"), timeout=10).json()["servers"] == [{"url": "/proxy"}]
 
 
 def test_models_show_the_served_name_not_the_path(server: RemoteServer) -> None:

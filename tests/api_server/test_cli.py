@@ -16,7 +16,7 @@ import pytest
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from jaxserve.serve import human_readable_int, json_list, make_arg_parser
+from jaxserve.serve import human_readable_int, json_list, make_arg_parser, read_chat_template
 
 from .server_utils import ROOT
 
@@ -80,3 +80,32 @@ def test_stat_logger_line() -> None:
     assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 "
                     "tokens/s, Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
                     "Prefix cache hit rate: 40.0%"), line
+
+
+def test_generation_defaults_and_chat_template_sources(tmp_path) -> None:
+    import json
+
+    from jaxserve.model_files import ModelFiles, ModelFormat, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_length": 99}))
+    files = ModelFiles(str(tmp_path), ModelFormat.HF, "m")
+    assert generation_defaults(files) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert generation_defaults(str(tmp_path)) == {"temperature": 0.0}
+    assert generation_defaults(resolve_model(None)) == {}  # a GGUF has none
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(template)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(argparse.ArgumentTypeError):
+        read_chat_template("no-such-file.jinja")
+
+
+def test_bad_tokenizer_generation_config_and_max_logprobs_are_usage_errors() -> None:
+    for args, words in ((["--tokenizer", "/no/such/tok"], "--tokenizer"),
+                        (["--generation-config", "/no/such/dir"], "--generation-config"),
+                        (["--max-logprobs", "50"], "--max-logprobs"),
+                        (["--chat-template", "nope.jinja"], "--chat-template")):
+        out = _serve(*args)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)

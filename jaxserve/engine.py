@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.engine_core.structured_output import StructuredOutputManager
 from jaxserve.model_files import resolve_model
 from jaxserve.parallel.distributed import LeaderWorker, run_follower
+from jaxserve.tokenizer import load_tokenizer
 from jaxserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,9 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     if worker.distributed.process_id != 0:
         raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
     sc = config.scheduler_config
-    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id)
+    model = config.model_config.model
+    structured = StructuredOutputManager(lambda: load_tokenizer(model), worker.arch.vocab_size)
+    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured)
     # Async scheduling keeps one step in flight while the next is prepared; with
     # pipeline stages, one per stage so that the stages overlap.
     batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1

@@ -80,6 +80,10 @@ class SamplingParams:
     # vLLM's prompt_logprobs: per prompt token (but the first), its logprob given the
     # tokens before it and the top-N. Such a request reads nothing from the prefix cache.
     prompt_logprobs: int | None = None
+    # (kind, spec): kind json (spec: a JSON schema), json_object (spec ignored), regex,
+    # choice (spec: a JSON list of strings) or grammar (Lark or GBNF); the sampler keeps the
+    # output inside it (vLLM's structured_outputs / guided decoding).
+    structured_outputs: tuple[str, str] | Sequence[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None
@@ -103,6 +107,8 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         object.__setattr__(self, "logit_bias", bias)
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", tuple(self.structured_outputs))
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._verify_args()
@@ -166,6 +172,11 @@ class SamplingParams:
         ):
             raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        so = self.structured_outputs
+        if so is not None and (len(so) != 2 or not all(isinstance(x, str) for x in so) or so[0]
+                               not in ("json", "json_object", "regex", "choice", "grammar")):
+            raise ValueError("structured_outputs must be (kind, spec) with kind one of json, "
+                             f"json_object, regex, choice, grammar; got {so!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -107,6 +107,31 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    name: Text | None = None
+    description: Text | None = None
+    # Named `schema` on the wire (OpenAI's); `schema_` here: BaseModel has a `schema` method.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIRequest):
+    """vLLM's `structured_outputs` (extra_body): exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequestFields(OpenAIRequest):
     """The sampling fields shared by completions and chat completions (vLLM's names)."""
 
@@ -132,6 +157,14 @@ class SamplingRequestFields(OpenAIRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 # --- completions ----------------------------------------------------------------------
@@ -221,7 +254,6 @@ class ChatCompletionRequest(SamplingRequestFields):
     top_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse
 from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
+from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -173,8 +175,47 @@ class ServingContext:
                 f"{limit}: lower max_tokens to at most {limit - n}", param="max_tokens")
         return max_tokens
 
+    async def structured_outputs(self, request: SamplingRequestFields) -> tuple[str, str] | None:
+        """(kind, spec) from response_format / structured_outputs / guided_*, checked by
+        compiling the grammar off the event loop (a bad schema is a 400, not an engine error)."""
+        found: list[tuple[str, str, Any]] = []  # (param, kind, spec)
+        rf = request.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise OpenAIError("response_format json_schema needs json_schema.schema",
+                                  param="response_format")
+            found.append(("response_format", "json", rf.json_schema.schema_))
+        so = request.structured_outputs
+        if so is not None:
+            for name, kind in (("json_", "json"), ("regex", "regex"), ("choice", "choice"),
+                               ("grammar", "grammar")):
+                if getattr(so, name) is not None:
+                    found.append(("structured_outputs", kind, getattr(so, name)))
+            if so.json_object:
+                found.append(("structured_outputs", "json_object", ""))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(request, name) is not None:
+                found.append((name, kind, getattr(request, name)))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise OpenAIError("give one structured output constraint, got "
+                              + ", ".join(f"{p} ({k})" for p, k, _ in found), param=found[1][0])
+        param, kind, spec = found[0]
+        if not isinstance(spec, str):
+            spec = json.dumps(spec)  # a schema or a choice list, as llguidance reads it
+        try:
+            await self.off_loop(grammar_text, kind, spec)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
+        return kind, spec
+
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: tuple[str, str] | None = None) -> SamplingParams:
         """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
         logit_bias = {}
         for key, value in (request.logit_bias or {}).items():
@@ -194,7 +235,7 @@ class ServingContext:
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
         )
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and value > self.max_logprobs:

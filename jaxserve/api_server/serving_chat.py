@@ -44,9 +44,6 @@ class OpenAIServingChat:
         ctx.check_model(request.model)
         if request.tools and request.tool_choice != "none":
             raise OpenAIError("tools are not supported", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError("only response_format {'type': 'text'} is supported",
-                              param="response_format")
         num_top = self._num_top_logprobs(request)
         text = await ctx.render_chat(request.messages, request.add_generation_prompt,
                                      request.continue_final_message, request.chat_template_kwargs,
@@ -55,7 +52,8 @@ class OpenAIServingChat:
         token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
         requested = request.max_completion_tokens
         max_tokens = ctx.check_prompt(token_ids, request.max_tokens if requested is None else requested)
-        params = ctx.sampling_params(request, max_tokens, num_top)
+        params = ctx.sampling_params(request, max_tokens, num_top,
+                                     structured_outputs=await ctx.structured_outputs(request))
         request_id = f"chatcmpl-{random_uuid()}"
         gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority)
         created = int(time.time())

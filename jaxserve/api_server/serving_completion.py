@@ -58,6 +58,7 @@ class OpenAIServingCompletion:
         arrival = time.monotonic()
         request_id = f"cmpl-{random_uuid()}"
         params_list = []
+        structured = await ctx.structured_outputs(request)
         for _, ids in prompts:
             max_tokens = ctx.check_prompt(ids, request.max_tokens)
             # echo + logprobs reports the prompt's tokens too: it needs their logprobs.
@@ -65,7 +66,7 @@ class OpenAIServingCompletion:
             if request.echo and request.logprobs is not None:
                 prompt_lps = max(prompt_lps or 0, request.logprobs)
             params_list.append(ctx.sampling_params(request, max_tokens, request.logprobs,
-                                                   prompt_lps))
+                                                   prompt_lps, structured))
         for i, ((text, ids), params) in enumerate(zip(prompts, params_list)):
             gens.append(ctx.client.generate(f"{request_id}-{i}", text, ids, params,
                                             priority=request.priority, arrival_time=arrival))

@@ -21,7 +21,7 @@ A step with total_num_scheduled_tokens == 0 only carries ids to drop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -89,6 +89,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the previous step; the worker drops them
     preempted_req_ids: set[str]  # the worker drops them; they come back later as NewRequestData
+    # Structured outputs: req_id -> int32[ceil(vocab / 32)], the tokens its grammar allows now.
+    grammar_bitmask: dict[str, Any] | None = None
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from jaxserve.engine_core.block_pool import KVCacheBlock
@@ -36,6 +37,7 @@ from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_stop
 from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.structured_output import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -51,8 +53,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         eos_token_id: int | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.structured_output = structured_output
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -98,6 +102,14 @@ class Scheduler:
             )
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if self.structured_output is None:
+                raise InvalidRequestError("structured outputs are not available in this engine")
+            try:
+                self.structured_output.add_request(request.req_id, *so)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
         kv = self.kv_cache_manager
         if kv.block_hasher is not None:
             request.set_block_hasher(kv.block_hasher, self.block_size)
@@ -138,6 +150,8 @@ class Scheduler:
             self.finished_req_ids.add(request.req_id)
         request.record_event(EngineCoreEventType.FINISHED)
         self.kv_cache_manager.free(request)
+        if self.structured_output is not None:
+            self.structured_output.remove_request(request.req_id)
         del self.requests[request.req_id]
 
     # --- schedule -----------------------------------------------------------
@@ -176,11 +190,19 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted_reqs},
+            grammar_bitmask=self._grammar_bitmask(num_scheduled_tokens),
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
         self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
         return scheduler_output
+
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> dict[str, Any] | None:
+        so = self.structured_output
+        if so is None or not so.matchers:
+            return None
+        masks = {r: so.bitmask(r) for r in num_scheduled_tokens if r in so.matchers}
+        return masks or None
 
     def _schedule_running(
         self,
@@ -200,6 +222,10 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             placeholders = request.num_output_placeholders
+            if placeholders and request.sampling_params.structured_outputs is not None:
+                # Its grammar's next mask needs the token in flight: skip one step.
+                req_index += 1
+                continue
             if placeholders and (
                 request.num_output_tokens + placeholders >= request.max_tokens
                 or request.num_tokens + placeholders >= max_model_len
@@ -364,6 +390,8 @@ class Scheduler:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            if self.structured_output is not None and req_id in self.structured_output.matchers:
+                self.structured_output.accept_tokens(req_id, new_token_ids)
             finish_reason = None
             if stopped:
                 was_running = status_before is _RUNNING

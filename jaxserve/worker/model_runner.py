@@ -248,14 +248,14 @@ class ModelRunner:
         ))
 
     def _sample_impl(self, num_rows: int, mode: SamplerMode, params, hidden, last_sampled,
-                     penalties: PenaltyState, buf):
+                     penalties: PenaltyState, buf, bitmask=None):
         u = self.sampler_packing(num_rows).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
         md = SamplingMetadata(**u)
         logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
         processors = LogitsProcessors(penalties.stop_mask[rows], penalties.bias_ids[rows],
-                                      penalties.bias_values[rows])
+                                      penalties.bias_values[rows], bitmask)
         out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
                      processors)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
@@ -304,8 +304,16 @@ class ModelRunner:
             hidden, every_token = hidden
             targets, rows = prompt
             prompt_out = (self._prompt_lp(self.params, every_token, targets), rows)
+        bitmask = None
+        if so.grammar_bitmask:
+            # Compiled on first use, like prompt logprobs: a program variant with the mask.
+            words = -(-self.model.cfg.vocab_size // 32)
+            bitmask = np.full((R, words), -1, np.int32)  # rows without a grammar: all allowed
+            for i, r in enumerate(req_ids):
+                if r in so.grammar_bitmask:
+                    bitmask[i] = so.grammar_bitmask[r][:words]
         self.last_sampled, self.penalties, out = self._sample(
-            R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
+            R, mode, self.params, hidden, self.last_sampled, self.penalties, md, bitmask)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
                           prompt_out)
 

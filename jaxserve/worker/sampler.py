@@ -1,7 +1,7 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
     raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
-                └─▶ min_tokens (EOS and stop ids masked) ─▶ logit_bias
+                └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
                     over output) ─▶ greedy argmax (temperature 0)
                     ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
@@ -72,6 +72,9 @@ class LogitsProcessors:
     stop_mask: jax.Array  # bool[R, V]: ids min_tokens keeps out (EOS, stop_token_ids)
     bias_ids: jax.Array  # i32[R, B]: logit_bias token ids; V (out of range) = unused
     bias_values: jax.Array  # f32[R, B]
+    # Structured outputs: i32[R, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed
+    # (all bits set on rows without a grammar); None when no row of the step has one.
+    allowed_bitmask: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -99,9 +102,15 @@ def apply_penalties(
 def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
                             lp: LogitsProcessors) -> jax.Array:
     """min_tokens: EOS and stop ids cannot be sampled before the request has min_tokens
-    outputs (vLLM's MinTokensLogitsProcessor). logit_bias: added to the logits (OpenAI's)."""
+    outputs (vLLM's MinTokensLogitsProcessor). Structured outputs: only the tokens the
+    grammar allows. logit_bias: added to the logits (OpenAI's)."""
     early = (md.positions < md.min_tokens_end)[:, None]
     logits = jnp.where(early & lp.stop_mask, _NEG_INF, logits)
+    if lp.allowed_bitmask is not None:
+        vocab = logits.shape[-1]
+        bits = (lp.allowed_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
+        logits = jnp.where(allowed, logits, _NEG_INF)
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, lp.bias_ids].add(lp.bias_values, mode="drop")
 

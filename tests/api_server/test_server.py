@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -180,6 +181,33 @@ def test_prompt_logprobs_and_echo_with_logprobs(server: RemoteServer, client: op
         # The prompt's logprobs are prompt_logprobs' own.
         for p, e in enumerate(plp[1:], start=1):
             assert any(abs(v["logprob"] - token_logprobs[p]) < 1e-4 for v in e.values())
+
+
+def test_structured_outputs_through_the_openai_client(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "population": {"type": "integer", "minimum": 0},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2}},
+        "required": ["city", "population", "landmarks"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris in JSON."}],
+        max_tokens=120, temperature=1.0, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model=MODEL, prompt="Is water wet? Answer:", max_tokens=5,
+                                  temperature=1.0, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="Year:", max_tokens=8, temperature=1.0,
+                                  extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
+    assert re.fullmatch(r"(19|20)[0-9]{2}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="invalid json"):
+        client.chat.completions.create(model=MODEL, messages=HI, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    with pytest.raises(openai.BadRequestError, match="one structured output"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={
+            "guided_regex": "a+", "guided_choice": ["a"]})
 
 
 def test_logit_bias(server: RemoteServer, client: openai.OpenAI) -> None:

@@ -3,6 +3,9 @@ and the same tokens under chunked prefill, preemption, prefix caching on/off and
 
 from __future__ import annotations
 
+import json
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -191,3 +194,44 @@ def test_prompt_logprobs_equal_transformers(hf_default_model) -> None:
             top = max(entry.values(), key=lambda lp: lp.logprob)
             assert top.rank == 1 and abs(top.logprob - ref[p - 1].max()) <= 1e-3
     llm.shutdown()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_with_sampling(llm: LLM) -> None:
+    """JSON schema (nested object, enum, array), choice and regex, sampled at temperature 1
+    beside an unconstrained request (async scheduling on: grammar requests skip a step while
+    their token is in flight, the others overlap)."""
+    import jsonschema
+
+    tok = llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}],
+                                   tokenize=False, add_generation_prompt=True)
+    params = [SamplingParams(temperature=1.0, max_tokens=160, seed=i,
+                             structured_outputs=("json", json.dumps(PERSON))) for i in range(3)]
+    params += [SamplingParams(temperature=1.0, max_tokens=8, seed=7,
+                              structured_outputs=("choice", '["yes", "no", "maybe"]')),
+               SamplingParams(temperature=1.0, max_tokens=20, seed=8,
+                              structured_outputs=("regex", r"\d{3}-\d{4}")),
+               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    outs = llm.generate([chat] * 3 + ["Is the sky blue?", "Call me at", "Hello"], params,
+                        use_tqdm=False)
+    for o in outs[:3]:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+    assert outs[3].outputs[0].text in ("yes", "no", "maybe")
+    assert re.fullmatch(r"\d{3}-\d{4}", outs[4].outputs[0].text)
+    assert len(outs[5].outputs[0].token_ids) == 16

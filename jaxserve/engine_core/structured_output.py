@@ -1,0 +1,90 @@
+"""Structured outputs in the engine core (vLLM's StructuredOutputManager), with llguidance.
+
+A request whose SamplingParams carry `structured_outputs = (kind, spec)` gets a grammar
+matcher when it is added. Before each step the scheduler asks for the token bitmask of the
+grammar requests it scheduled (what the grammar allows next, one bit per token); the worker's
+sampler masks the logits with it on the device. After the step, the sampled tokens advance
+the matchers. The bitmask needs every earlier token, so under async scheduling a grammar
+request is not scheduled while one of its tokens is still in flight: it decodes every other
+step, and the rest of the batch keeps overlapping.
+
+JAX-free: the engine core imports it (llguidance works on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# kind -> llguidance.grammar_from's format; json_object is "any JSON object".
+KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
+         "choice": "choice", "grammar": "grammar"}
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """The llguidance grammar of a (kind, spec) pair; raises ValueError if it is invalid."""
+    import llguidance
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown structured output kind {kind!r} (one of {sorted(KINDS)})")
+    if kind == "json_object":
+        spec = '{"type": "object"}'
+    try:
+        grammar = llguidance.grammar_from(KINDS[kind], spec)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"invalid {kind}: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"invalid {kind}: {error.strip().splitlines()[0]}")
+    return grammar
+
+
+class StructuredOutputManager:
+    """Grammar matchers of the engine core's structured-output requests."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._ll_tokenizer: Any = None  # built on the first structured request (~0.5 s)
+        self.matchers: dict[str, Any] = {}
+
+    def _tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(),
+                                                              n_vocab=self.vocab_size)
+        return self._ll_tokenizer
+
+    def add_request(self, req_id: str, kind: str, spec: str) -> None:
+        """Raises ValueError for a grammar that does not compile."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec))
+        if matcher.is_error():
+            raise ValueError(f"invalid {kind}: {matcher.get_error()}")
+        self.matchers[req_id] = matcher
+
+    def remove_request(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def accept_tokens(self, req_id: str, token_ids: list[int]) -> None:
+        matcher = self.matchers.get(req_id)
+        if matcher is not None and not matcher.is_stopped():
+            if not matcher.consume_tokens(token_ids):
+                logger.warning("request %s: token(s) %s rejected by its grammar: %s", req_id,
+                               token_ids, matcher.get_error())
+
+    def bitmask(self, req_id: str) -> np.ndarray:
+        """int32[ceil(vocab / 32)]: bit t of word t // 32 set = token t allowed next."""
+        import llguidance.numpy
+
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(self.matchers[req_id], mask, 0)
+        return mask[0]

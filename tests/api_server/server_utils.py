@@ -21,9 +21,9 @@ SMALL_ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16",
                      "--kv-cache-memory-bytes", str(256 << 20)]
 
 
-def ipc_files() -> set[str]:
-    """The ZeroMQ socket files of every jaxserve server on this machine."""
-    base = os.path.join(tempfile.gettempdir(), "jaxserve-")
+def ipc_files(tmpdir: str | None = None) -> set[str]:
+    """The ZeroMQ socket files of the jaxserve servers whose TMPDIR is `tmpdir`."""
+    base = os.path.join(tmpdir or tempfile.gettempdir(), "jaxserve-")
     return set(glob.glob(base + "*-in")) | set(glob.glob(base + "*-out"))
 
 

@@ -51,14 +51,15 @@ async def fail_in_flight(server: RemoteServer, kill: bool) -> tuple[list[list[st
 
 
 @pytest.mark.parametrize("kill", [True, False], ids=["sigkill", "worker-raises"])
-def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool) -> None:
-    before = ipc_files()
+def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool, tmp_path) -> None:
+    # A TMPDIR of its own: the IPC files seen are this server's, whatever else runs.
+    tmp = str(tmp_path)
     # The faulty worker raises on its 60th forward: after the 4 requests are all running,
     # long before any of them (400 tokens) could finish.
     server = RemoteServer(SMALL_ENGINE_ARGS, module="tests.api_server.faulty_serve",
-                          env={"JAXSERVE_TEST_FAIL_AT_STEP": "0" if kill else "60"})
+                          env={"JAXSERVE_TEST_FAIL_AT_STEP": "0" if kill else "60", "TMPDIR": tmp})
     try:
-        assert ipc_files() - before, "the server's IPC files exist while it runs"
+        assert ipc_files(tmp), "the server's IPC files exist while it runs"
         streams, plain = asyncio.run(fail_in_flight(server, kill))
         for lines in streams:
             assert lines[-1] == "data: [DONE]"
@@ -75,14 +76,13 @@ def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool) -> None:
         assert ("engine core process died" in log) if kill else ("injected fault on forward 60" in log)
     finally:
         server.stop()
-    assert not ipc_files() - before, "IPC files left behind"
+    assert not ipc_files(tmp), "IPC files left behind"
 
 
-def test_clean_stop_removes_ipc_files() -> None:
-    before = ipc_files()
-    with RemoteServer(SMALL_ENGINE_ARGS) as server:
-        assert ipc_files() - before
-    assert not ipc_files() - before
+def test_clean_stop_removes_ipc_files(tmp_path) -> None:
+    with RemoteServer(SMALL_ENGINE_ARGS, env={"TMPDIR": str(tmp_path)}):
+        assert ipc_files(str(tmp_path))
+    assert not ipc_files(str(tmp_path))
 
 
 def test_engine_startup_failure_exits_non_zero() -> None:
@@ -105,11 +105,11 @@ def test_bad_arguments_exit_before_starting_anything() -> None:
         assert "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_ctrl_c_ends_streams_cleanly_and_logs_stats() -> None:
+def test_ctrl_c_ends_streams_cleanly_and_logs_stats(tmp_path) -> None:
     """SIGINT (Ctrl-C) with a stream in flight: the stream gets an error then [DONE], the
     server exits 0 without a traceback. While it runs, the periodic stats line is logged."""
-    before = ipc_files()
-    server = RemoteServer(SMALL_ENGINE_ARGS, env={"JAXSERVE_LOG_STATS_INTERVAL": "0.5"})
+    server = RemoteServer(SMALL_ENGINE_ARGS, env={"JAXSERVE_LOG_STATS_INTERVAL": "0.5",
+                                                  "TMPDIR": str(tmp_path)})
     try:
         with httpx.stream("POST", server.url("/v1/completions"), json={**LONG, "stream": True},
                           timeout=60) as r:
@@ -129,4 +129,4 @@ def test_ctrl_c_ends_streams_cleanly_and_logs_stats() -> None:
         assert "libtpu" not in log and "PyTorch was not found" not in log
     finally:
         server.stop()
-    assert not ipc_files() - before
+    assert not ipc_files(str(tmp_path))

@@ -228,7 +228,10 @@ class ApiKeyAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):  # uvicorn puts --root-path in front of the path
+            path = path[len(root):]
+        if scope["type"] == "http" and path.startswith("/v1"):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response("invalid or missing API key (send Authorization: "

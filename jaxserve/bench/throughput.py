@@ -30,6 +30,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--structured-regex", default=None,
+                   help="constrain every request to this regex (structured outputs): the grammar "
+                        "mask's cost, e.g. '[a-z ]*'")
     p.add_argument("--output-json", default=None)
     p.add_argument("--step-stats", action="store_true",
                    help="time host work (scheduling, input preparation) and device waits per step")
@@ -50,8 +53,14 @@ def run(args: argparse.Namespace) -> dict:
     vocab = llm.engine.worker.arch.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, args.input_len).tolist()}
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # touch every path once
+    structured = None if args.structured_regex is None else ("regex", args.structured_regex)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            structured_outputs=structured)
+    # Touch every path once; with a grammar, every batch size too (its masked sampler
+    # compiles on first use, which must not land in the measurement).
+    llm.generate(prompts if structured else prompts[:1],
+                 SamplingParams(max_tokens=2, ignore_eos=True, structured_outputs=structured),
+                 use_tqdm=False)
     timers = _instrument(llm) if args.step_stats else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

@@ -312,8 +312,11 @@ class ModelRunner:
             for i, r in enumerate(req_ids):
                 if r in so.grammar_bitmask:
                     bitmask[i] = so.grammar_bitmask[r][:words]
+        # NOTE: no bitmask argument at all without one: an explicit None would be another
+        # call signature to jit, and compile again what warm-up compiled.
         self.last_sampled, self.penalties, out = self._sample(
-            R, mode, self.params, hidden, self.last_sampled, self.penalties, md, bitmask)
+            R, mode, self.params, hidden, self.last_sampled, self.penalties, md,
+            *(() if bitmask is None else (bitmask,)))
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
                           prompt_out)
 

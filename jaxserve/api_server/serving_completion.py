@@ -169,7 +169,6 @@ class OpenAIServingCompletion:
                sent_tokens: list[int], done: list[bool], holdback: int
                ) -> CompletionResponseChoice | None:
         """What choice `out` adds since the previous chunk, or None if nothing."""
-        prompt_chars = len(self._prompt_text(prompts, i)) if request.echo else 0
         k = out.index
         if done[k]:
             return None
@@ -177,15 +176,19 @@ class OpenAIServingCompletion:
         end = visible_text_end(out.text, sent_chars[k], finished, holdback)
         text = out.text[sent_chars[k]:end]
         new_tokens = out.token_ids[sent_tokens[k]:]
-        if request.echo and sent_chars[k] == 0 and sent_tokens[k] == 0:
+        first = sent_chars[k] == 0 and sent_tokens[k] == 0
+        if request.echo and first:
             text = self._prompt_text(prompts, i) + text
         if not text and not new_tokens and not finished:
             return None
-        lps, first = None, sent_chars[k] == 0 and sent_tokens[k] == 0
+        lps = None
         if request.logprobs is not None and out.logprobs is not None:
             new_lps = out.logprobs[sent_tokens[k]:len(out.token_ids)]
-            lps = (self._logprobs(request, prompts, i, res, new_tokens, new_lps, 0) if first
-                   else completion_logprobs(new_tokens, new_lps, sent_chars[k] + prompt_chars))
+            if first:
+                lps = self._logprobs(request, prompts, i, res, new_tokens, new_lps, 0)
+            else:  # offsets count the echoed prompt too
+                echoed = len(self._prompt_text(prompts, i)) if request.echo else 0
+                lps = completion_logprobs(new_tokens, new_lps, sent_chars[k] + echoed)
         sent_chars[k] = end
         sent_tokens[k] = len(out.token_ids)
         done[k] = finished

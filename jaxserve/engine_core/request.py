@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxserve.engine_core.kv_cache_utils import BlockHash
+from jaxserve.engine_core.model_runner_output import LogprobsLists
 from jaxserve.engine_core.outputs import EngineCoreEvent, EngineCoreEventType
 from jaxserve.outputs import FinishReason
 from jaxserve.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ class Request:
         self.num_preemptions = 0
         # prompt_logprobs rows by prompt position, gathered over prefill chunks until the
         # first token goes out with them (a recompute after preemption overwrites).
-        self.prompt_logprob_rows: dict[int, tuple[list[int], list[float], int]] = {}
+        self._prompt_logprob_rows: dict[int, tuple[list[int], list[float], int]] = {}
 
         # Hashes of the full pages of real tokens, extended as tokens arrive.
         self.block_hashes: list[BlockHash] = []
@@ -185,6 +186,22 @@ class Request:
     @property
     def has_events(self) -> bool:
         return bool(self._events)
+
+    def add_prompt_logprobs(self, first_position: int, rows: LogprobsLists) -> None:
+        """Keep a prefill chunk's prompt-logprob rows (only before the first output token:
+        after it they were sent, and a resumed request's recompute repeats them)."""
+        if self.num_output_tokens:
+            return
+        for j, row in enumerate(zip(rows.token_ids, rows.logprobs, rows.sampled_token_ranks)):
+            self._prompt_logprob_rows[first_position + j] = row
+
+    def take_prompt_logprobs(self) -> LogprobsLists | None:
+        """Every gathered row in prompt order (then forgotten), or None."""
+        if not self._prompt_logprob_rows:
+            return None
+        rows = [self._prompt_logprob_rows[p] for p in sorted(self._prompt_logprob_rows)]
+        self._prompt_logprob_rows = {}
+        return LogprobsLists(*map(list, zip(*rows)))
 
     def take_events(self) -> list[EngineCoreEvent] | None:
         """Events since the last call, or None (the common case, no allocation)."""

@@ -1,4 +1,5 @@
-"""Stop conditions checked on each sampled token (vLLM's sched/utils.check_stop).
+"""The scheduler's request checks: can a new request ever run, and does a sampled token
+end a request (vLLM's sched/utils.check_stop).
 
 Stop strings are not here: they need detokenized text and are checked by the
 front end, which then aborts the request.
@@ -6,7 +7,18 @@ front end, which then aborts the request.
 
 from __future__ import annotations
 
-from jaxserve.engine_core.request import Request, RequestStatus
+from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
+
+
+def check_new_request(request: Request, max_model_len: int) -> None:
+    """Raises InvalidRequestError for a request that can never run."""
+    if request.num_prompt_tokens == 0:
+        raise InvalidRequestError(f"request {request.req_id!r} has an empty prompt")
+    if request.num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {request.num_prompt_tokens:,} tokens but --max-model-len is "
+            f"{max_model_len:,} (room for at least one output token is needed)"
+        )
 
 
 def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool:

@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxserve.engine_core.sched_utils import check_stop
+from jaxserve.engine_core.sched_utils import check_new_request, check_stop
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 
@@ -56,7 +55,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
-        self.structured_output = structured_output
+        self.structured_output = structured_output or StructuredOutputManager()
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -93,23 +92,10 @@ class Scheduler:
         """Queue a new request; raises InvalidRequestError for one that can never run."""
         if request.req_id in self.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in the engine")
-        if request.num_prompt_tokens == 0:
-            raise InvalidRequestError(f"request {request.req_id!r} has an empty prompt")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {request.num_prompt_tokens:,} tokens but --max-model-len is "
-                f"{self.max_model_len:,} (room for at least one output token is needed)"
-            )
+        check_new_request(request, self.max_model_len)
         if request.eos_token_id is None:
             request.eos_token_id = self.eos_token_id
-        so = request.sampling_params.structured_outputs
-        if so is not None:
-            if self.structured_output is None:
-                raise InvalidRequestError("structured outputs are not available in this engine")
-            try:
-                self.structured_output.add_request(request.req_id, *so)
-            except ValueError as e:
-                raise InvalidRequestError(str(e)) from None
+        self.structured_output.add_request(request)
         kv = self.kv_cache_manager
         if kv.block_hasher is not None:
             request.set_block_hasher(kv.block_hasher, self.block_size)
@@ -150,8 +136,7 @@ class Scheduler:
             self.finished_req_ids.add(request.req_id)
         request.record_event(EngineCoreEventType.FINISHED)
         self.kv_cache_manager.free(request)
-        if self.structured_output is not None:
-            self.structured_output.remove_request(request.req_id)
+        self.structured_output.remove_request(request.req_id)
         del self.requests[request.req_id]
 
     # --- schedule -----------------------------------------------------------
@@ -190,19 +175,12 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted_reqs},
-            grammar_bitmask=self._grammar_bitmask(num_scheduled_tokens),
+            grammar_bitmask=self.structured_output.step_bitmasks(num_scheduled_tokens),
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
         self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
         return scheduler_output
-
-    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> dict[str, Any] | None:
-        so = self.structured_output
-        if so is None or not so.matchers:
-            return None
-        masks = {r: so.bitmask(r) for r in num_scheduled_tokens if r in so.matchers}
-        return masks or None
 
     def _schedule_running(
         self,
@@ -222,15 +200,13 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             placeholders = request.num_output_placeholders
-            if placeholders and request.sampling_params.structured_outputs is not None:
-                # Its grammar's next mask needs the token in flight: skip one step.
-                req_index += 1
-                continue
             if placeholders and (
                 request.num_output_tokens + placeholders >= request.max_tokens
                 or request.num_tokens + placeholders >= max_model_len
+                or request.sampling_params.structured_outputs is not None
             ):
-                # Async: the tokens in flight already end the request.
+                # Async: the tokens in flight already end the request, or its grammar's
+                # next mask needs the token in flight (it skips this step).
                 req_index += 1
                 continue
             num_computed = request.num_computed_tokens
@@ -378,11 +354,8 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             if index is None:
                 continue
-            if prompt_lps and req_id in prompt_lps and not request.num_output_tokens:
-                first, rows = prompt_lps[req_id]
-                for j, (ids, lps, rank) in enumerate(zip(rows.token_ids, rows.logprobs,
-                                                         rows.sampled_token_ranks)):
-                    request.prompt_logprob_rows[first + j] = (ids, lps, rank)
+            if prompt_lps and req_id in prompt_lps:
+                request.add_prompt_logprobs(*prompt_lps[req_id])
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue  # partial prefill: nothing sampled
@@ -390,8 +363,7 @@ class Scheduler:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
-            if self.structured_output is not None and req_id in self.structured_output.matchers:
-                self.structured_output.accept_tokens(req_id, new_token_ids)
+            self.structured_output.accept_tokens(req_id, new_token_ids)
             finish_reason = None
             if stopped:
                 was_running = status_before is _RUNNING
@@ -404,11 +376,6 @@ class Scheduler:
             new_logprobs = None
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(index, index + 1)
-            prompt_logprobs = None
-            if request.prompt_logprob_rows:
-                rows = [request.prompt_logprob_rows[p] for p in sorted(request.prompt_logprob_rows)]
-                prompt_logprobs = LogprobsLists(*map(list, zip(*rows)))
-                request.prompt_logprob_rows = {}
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -418,7 +385,7 @@ class Scheduler:
                     request.stop_reason,
                     request.num_cached_tokens,
                     request.take_events() if request.has_events else None,
-                    prompt_logprobs,
+                    request.take_prompt_logprobs(),
                 )
             )
         if stopped_running:
@@ -456,19 +423,12 @@ class Scheduler:
 
     # --- state and stats ----------------------------------------------------
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
-
-    def has_finished_requests(self) -> bool:
-        """Finished ids still to be sent to the worker."""
-        return bool(self.finished_req_ids)
+        return len(self.waiting) + len(self.running) > 0
 
     def has_requests(self) -> bool:
-        """Whether a step has anything to do (schedule, or tell the worker to drop)."""
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        """Whether a step has anything to do: schedule, or send finished ids to the worker."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics; resets the counters that are deltas."""

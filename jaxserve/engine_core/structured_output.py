@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+
+from jaxserve.engine_core.request import InvalidRequestError, Request
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ def grammar_text(kind: str, spec: str) -> str:
 class StructuredOutputManager:
     """Grammar matchers of the engine core's structured-output requests."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any] | None = None, vocab_size: int = 0) -> None:
+        """Without `load_tokenizer` (a scheduler built alone), grammar requests are refused."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._ll_tokenizer: Any = None  # built on the first structured request (~0.5 s)
@@ -62,14 +65,29 @@ class StructuredOutputManager:
                                                               n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
-    def add_request(self, req_id: str, kind: str, spec: str) -> None:
-        """Raises ValueError for a grammar that does not compile."""
+    def add_request(self, request: Request) -> None:
+        """A matcher for `request` if it has a grammar; InvalidRequestError if the grammar
+        does not compile."""
+        if request.sampling_params.structured_outputs is None:
+            return
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec))
+        if self._load_tokenizer is None:
+            raise InvalidRequestError("structured outputs are not available in this engine")
+        kind, spec = request.sampling_params.structured_outputs
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         if matcher.is_error():
-            raise ValueError(f"invalid {kind}: {matcher.get_error()}")
-        self.matchers[req_id] = matcher
+            raise InvalidRequestError(f"invalid {kind}: {matcher.get_error()}")
+        self.matchers[request.req_id] = matcher
+
+    def step_bitmasks(self, req_ids: Iterable[str]) -> dict[str, np.ndarray] | None:
+        """The bitmask of each of `req_ids` that has a grammar (None if none has)."""
+        if not self.matchers:
+            return None
+        return {r: self.bitmask(r) for r in req_ids if r in self.matchers} or None
 
     def remove_request(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)

@@ -17,6 +17,8 @@ import socket
 import sys
 
 from jaxserve.config import EngineConfig, SchedulingPolicy, make_engine_config
+from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
+from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.model_files import resolve_model
 
 
@@ -75,6 +77,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="most logprobs / prompt_logprobs a request may ask for (at most 20)")
     server.add_argument("--root-path", default=None,
                         help="the path prefix a reverse proxy serves this API under")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls (hermes/qwen: <tool_call> tags; "
+                             "llama3_json; mistral: [TOOL_CALLS])")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> into the message's reasoning field")
     server.add_argument("--allowed-origins", type=json_list, default=["*"],
                         help="CORS: origins allowed to call the API (a JSON list)")
     server.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods")
@@ -203,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model(args.tokenizer)
         except (ValueError, FileNotFoundError) as e:
             parser.error(f"--tokenizer: {e}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         parser.error(f"--generation-config: {args.generation_config!r} is neither auto, vllm "
                      "nor a folder")

@@ -114,6 +114,10 @@ CASES: list[Case] = [
     _c("chat template", "chat_template_kwargs", {"messages": HI, "chat_template_kwargs": {
         "chat_template": BOMB}}, CHAT),
     _c("chat template", "chat_template", {"messages": HI, "chat_template": BOMB}, CHAT),
+    # Tools the server cannot serve (this server has no --enable-auto-tool-choice).
+    _c("tools", "auto without a tool parser", {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, CHAT),
+    _c("tools", "tools not a list", {"messages": HI, "tools": "f", "tool_choice": "required"}, CHAT),
     # Malformed bodies.
     _c("malformed JSON", "truncated", b'{"prompt": "x"'),
     _c("malformed JSON", "array", b"[]"),

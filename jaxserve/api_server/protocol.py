@@ -238,11 +238,49 @@ class ContentPart(OpenAIRequest):
     text: Text | None = None
 
 
+class FunctionCallParam(OpenAIRequest):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(OpenAIRequest):
+    """A tool call in an assistant message sent back with the conversation."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIRequest):
     role: Text
     # A string, or OpenAI's content parts ([{"type": "text", "text": ...}, ...]).
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    reasoning: Text | None = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning_content: Text | None = None  # its older name
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: NonEmptyText
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: NonEmptyText
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequestFields):
@@ -252,8 +290,10 @@ class ChatCompletionRequest(SamplingRequestFields):
     max_completion_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Text | dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -261,9 +301,24 @@ class ChatCompletionRequest(SamplingRequestFields):
     chat_template_kwargs: dict[Text, Any] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # vLLM's `reasoning`, and `reasoning_content`, its older name that clients still read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -297,14 +352,35 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
+class DeltaModel(OpenAIBaseModel):
+    """A stream delta carries only what changed: fields left None are not sent."""
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        # A delta carries only what changed: {"role": ...} first, then {"content": ...}.
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(DeltaModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(DeltaModel):
+    """OpenAI's streamed tool call: the first delta of a call carries its id, type and name;
+    later ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(DeltaModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -79,7 +79,10 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                          max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                          trust_request_chat_template=args.trust_request_chat_template,
                          model_eos_token_ids=model_eos_token_ids(files),
-                         default_sampling=defaults, max_logprobs=args.max_logprobs)
+                         default_sampling=defaults, max_logprobs=args.max_logprobs,
+                         tool_call_parser=args.tool_call_parser,
+                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         reasoning_parser=args.reasoning_parser)
     app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                               allow_headers=args.allowed_headers,

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 
 from jaxserve.api_server.dp_client import DPEngineClient
+from jaxserve.api_server.chat_tools import template_message
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
 from jaxserve.engine_core.structured_output import grammar_text
@@ -118,6 +119,9 @@ class ServingContext:
     # Sampling defaults from the model's generation_config.json (--generation-config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20  # --max-logprobs
+    tool_call_parser: str | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
     # Tokenizing and rendering templates run here, off the event loop: a large request must
     # not stall /health or other clients' streams.
     executor: ThreadPoolExecutor = field(
@@ -207,6 +211,11 @@ class ServingContext:
         param, kind, spec = found[0]
         if not isinstance(spec, str):
             spec = json.dumps(spec)  # a schema or a choice list, as llguidance reads it
+        return await self.check_grammar(kind, spec, param)
+
+    async def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
+        """(kind, spec) once its grammar compiles (off the event loop); a 400 naming `param`
+        if it does not."""
         try:
             await self.off_loop(grammar_text, kind, spec)
         except ValueError as e:
@@ -255,11 +264,13 @@ class ServingContext:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False,
                           chat_template_kwargs: dict[str, Any] | None = None,
-                          chat_template: str | None = None) -> str:
-        """The model's chat template applied to `messages` (text content parts joined),
-        rendered off the event loop. A template sent with the request is refused unless the
-        server trusts them (vLLM's --trust-request-chat-template): its cost is unbounded."""
-        conversation = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
+                          chat_template: str | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The model's chat template applied to `messages` (text content parts joined) and
+        `tools`, rendered off the event loop. A template sent with the request is refused
+        unless the server trusts them (vLLM's --trust-request-chat-template): its cost is
+        unbounded."""
+        conversation = [template_message(m, _text_content(m.content)) for m in messages]
         if not conversation:
             raise OpenAIError("messages must not be empty", param="messages")
         self.check_text_size("".join(c["content"] for c in conversation), "messages")
@@ -271,6 +282,8 @@ class ServingContext:
                               "started with --trust-request-chat-template", param="chat_template")
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
 
         def render() -> str:
             try:

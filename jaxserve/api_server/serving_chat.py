@@ -8,6 +8,13 @@ from contextlib import aclosing
 
 from fastapi.responses import Response, StreamingResponse
 
+from jaxserve.api_server.chat_output import ChatDelta, ChatOutputParser
+from jaxserve.api_server.chat_tools import (
+    ToolChoiceError,
+    resolve_tool_mode,
+    template_tools,
+    tool_grammar,
+)
 from jaxserve.api_server.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -18,10 +25,13 @@ from jaxserve.api_server.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     DeltaMessage,
+    FunctionCall,
     ResponseMessage,
+    ToolCall,
     UsageInfo,
     random_uuid,
 )
+from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
@@ -42,31 +52,46 @@ class OpenAIServingChat:
         """Validate, then generate; raises OpenAIError for a bad request."""
         ctx = self.ctx
         ctx.check_model(request.model)
-        if request.tools and request.tool_choice != "none":
-            raise OpenAIError("tools are not supported", param="tools")
+        try:
+            mode = resolve_tool_mode(request, ctx.tool_call_parser, ctx.enable_auto_tool_choice)
+        except ToolChoiceError as e:
+            raise OpenAIError(str(e), param=e.param) from None
         num_top = self._num_top_logprobs(request)
         text = await ctx.render_chat(request.messages, request.add_generation_prompt,
                                      request.continue_final_message, request.chat_template_kwargs,
-                                     request.chat_template)
+                                     request.chat_template, template_tools(request))
         # The template already holds the special tokens (BOS etc.), as in vLLM.
         token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
         requested = request.max_completion_tokens
         max_tokens = ctx.check_prompt(token_ids, request.max_tokens if requested is None else requested)
-        params = ctx.sampling_params(request, max_tokens, num_top,
-                                     structured_outputs=await ctx.structured_outputs(request))
+        structured = await ctx.structured_outputs(request)
+        grammar = tool_grammar(request, mode)
+        if grammar is not None:
+            if structured is not None:
+                raise OpenAIError(f'tool_choice "{mode.choice}" is enforced with a grammar: it '
+                                  "cannot be combined with another structured output",
+                                  param="tool_choice")
+            structured = await ctx.check_grammar(*grammar, param="tools")
+        params = ctx.sampling_params(request, max_tokens, num_top, structured_outputs=structured)
         request_id = f"chatcmpl-{random_uuid()}"
         gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority)
         created = int(time.time())
+        # A grammar constrains the reply from its first token, so it has no reasoning part
+        # (vLLM lets a model think before the grammar starts; not done here).
+        reasoning = (REASONING_PARSERS[ctx.reasoning_parser]
+                     if ctx.reasoning_parser and structured is None else None)
+        parsers = [ChatOutputParser(mode, reasoning) for _ in range(request.n)]
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, created, token_ids, gen),
+            return StreamingResponse(self._stream(request, request_id, created, token_ids, gen,
+                                                  parsers),
                                      media_type="text/event-stream")
         final = None
         async with aclosing(gen) as results:
             async for res in results:
                 final = res
         assert final is not None
-        return Response(self._full_response(request, request_id, created, final).model_dump_json(),
-                        media_type="application/json")
+        return Response(self._full_response(request, request_id, created, final, parsers)
+                        .model_dump_json(), media_type="application/json")
 
     @staticmethod
     def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -76,15 +101,17 @@ class OpenAIServingChat:
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, created: int,
-                       res: RequestOutput) -> ChatCompletionResponse:
+                       res: RequestOutput, parsers: list[ChatOutputParser]
+                       ) -> ChatCompletionResponse:
         choices = []
         for out in res.outputs:
             lps = None
             if request.logprobs and out.logprobs is not None:
                 lps = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            parser = parsers[out.index]
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=ResponseMessage(content=out.text), logprobs=lps,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                index=out.index, message=response_message(parser, out.text), logprobs=lps,
+                finish_reason=parser.finish_reason(out.finish_reason), stop_reason=out.stop_reason))
         num_prompt = len(res.prompt_token_ids or [])
         num_generated = sum(len(o.token_ids) for o in res.outputs)
         return ChatCompletionResponse(
@@ -93,8 +120,8 @@ class OpenAIServingChat:
                             total_tokens=num_prompt + num_generated))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None]
-                      ) -> AsyncIterator[str]:
+                      prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None],
+                      parsers: list[ChatOutputParser]) -> AsyncIterator[str]:
         n, model = request.n, self.ctx.model_name
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
@@ -119,9 +146,12 @@ class OpenAIServingChat:
                             continue
                         finished = out.finish_reason is not None
                         end = visible_text_end(out.text, sent_chars[k], finished, holdback)
-                        text = out.text[sent_chars[k]:end]
+                        delta = parsers[k].delta(out.text[:end], finished)
                         new_tokens = out.token_ids[sent_tokens[k]:]
-                        if not text and not new_tokens and not finished:
+                        # Tokens that add no visible text (held back, or a tool call's
+                        # unsettled start) are sent only when their logprobs are asked for.
+                        if not (delta.content or delta.reasoning or delta.tool_calls or finished
+                                or (request.logprobs and new_tokens)):
                             continue
                         lps = None
                         if request.logprobs and out.logprobs is not None:
@@ -129,8 +159,9 @@ class OpenAIServingChat:
                                                 request.top_logprobs or 0)
                         sent_chars[k], sent_tokens[k], done[k] = end, len(out.token_ids), finished
                         choices.append(ChatCompletionResponseStreamChoice(
-                            index=k, delta=DeltaMessage(content=text), logprobs=lps,
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                            index=k, delta=delta_message(delta), logprobs=lps,
+                            finish_reason=parsers[k].finish_reason(out.finish_reason),
+                            stop_reason=out.stop_reason))
                     if choices:
                         yield chunk(choices)
             if include_usage:
@@ -142,6 +173,24 @@ class OpenAIServingChat:
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
+
+
+def response_message(parser: ChatOutputParser, text: str) -> ResponseMessage:
+    """A whole reply as OpenAI's message: content (None when only tools were called),
+    reasoning, tool calls."""
+    d = parser.delta(text, finished=True)
+    calls = [ToolCall(id=c.id or "", function=FunctionCall(name=c.function.name or "",
+                                                           arguments=c.function.arguments or ""))
+             for c in d.tool_calls if c.function is not None]
+    reasoning = d.reasoning if parser.has_reasoning else None
+    return ResponseMessage(content=None if calls and not d.content else d.content,
+                           reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
+
+
+def delta_message(d: ChatDelta) -> DeltaMessage:
+    return DeltaMessage(content=d.content if d.content or not (d.reasoning or d.tool_calls) else None,
+                        reasoning=d.reasoning or None, reasoning_content=d.reasoning or None,
+                        tool_calls=d.tool_calls or None)
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],

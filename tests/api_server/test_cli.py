@@ -106,6 +106,8 @@ def test_bad_tokenizer_generation_config_and_max_logprobs_are_usage_errors() -> 
     for args, words in ((["--tokenizer", "/no/such/tok"], "--tokenizer"),
                         (["--generation-config", "/no/such/dir"], "--generation-config"),
                         (["--max-logprobs", "50"], "--max-logprobs"),
-                        (["--chat-template", "nope.jinja"], "--chat-template")):
+                        (["--chat-template", "nope.jinja"], "--chat-template"),
+                        (["--enable-auto-tool-choice"], "--tool-call-parser"),
+                        (["--tool-call-parser", "nope"], "--tool-call-parser")):
         out = _serve(*args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)

@@ -31,6 +31,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    tokenizer: str | None = None  # None: the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -161,6 +162,7 @@ def make_engine_config(
     pipeline_parallel_size: int = 1,
     data_parallel_size: int = 1,
     served_model_name: str | None = None,
+    tokenizer: str | None = None,
     distributed_coordinator_address: str | None = None,
     distributed_num_processes: int | None = None,
     distributed_process_id: int | None = None,
@@ -169,7 +171,7 @@ def make_engine_config(
     multi-host engine builds the same one)."""
     return EngineConfig(
         model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                 served_model_name=served_model_name),
+                                 served_model_name=served_model_name, tokenizer=tokenizer),
         cache_config=CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,

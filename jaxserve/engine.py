@@ -63,8 +63,9 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     if worker.distributed.process_id != 0:
         raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
     sc = config.scheduler_config
-    model = config.model_config.model
-    structured = StructuredOutputManager(lambda: load_tokenizer(model), worker.arch.vocab_size)
+    # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).
+    tokenizer = config.model_config.tokenizer or config.model_config.model
+    structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer), worker.arch.vocab_size)
     scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured)
     # Async scheduling keeps one step in flight while the next is prepared; with
     # pipeline stages, one per stage so that the stages overlap.

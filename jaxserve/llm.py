@@ -31,7 +31,7 @@ class LLM:
         """`engine_args` are those of `make_engine_config` (vLLM's names)."""
         config = make_engine_config(model, **engine_args)
         files = resolve_model(model)
-        self.tokenizer = load_tokenizer(files)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer or files)
         self._model_eos = model_eos_token_ids(files)
         self._generation_defaults = generation_defaults(files)
         built = build_engine_core(config, self._eos())

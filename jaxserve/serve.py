@@ -171,7 +171,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen EngineConfig (raises ValueError naming the bad flag's field)."""
     return make_engine_config(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        served_model_name=(args.served_model_name or [None])[0],
+        served_model_name=(args.served_model_name or [None])[0], tokenizer=args.tokenizer,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

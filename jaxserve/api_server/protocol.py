@@ -157,6 +157,8 @@ class SamplingRequestFields(OpenAIRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
+    # Per prompt token (but the first), its logprob and the top-N.
+    prompt_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them).
     response_format: ResponseFormat | None = None
@@ -179,8 +181,6 @@ class CompletionRequest(SamplingRequestFields):
     max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool | None = False
     logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
-    # vLLM's: per prompt token (but the first), its logprob and the top-N.
-    prompt_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     suffix: Text | None = None
     best_of: Annotated[WholeInt, Field(ge=1, le=MAX_N)] | None = None
 
@@ -350,6 +350,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None  # vLLM's
 
 
 class DeltaModel(OpenAIBaseModel):

@@ -25,8 +25,15 @@ from fastapi.responses import JSONResponse
 from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.chat_tools import template_message
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
-from jaxserve.api_server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingRequestFields
+from jaxserve.api_server.protocol import (
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    LogprobInfo,
+    SamplingRequestFields,
+)
 from jaxserve.engine_core.structured_output import grammar_text
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -328,6 +335,17 @@ def visible_text_end(text: str, sent: int, finished: bool, holdback: int) -> int
 def clamp_logprob(v: float) -> float:
     """JSON has no -inf; vLLM reports -9999.0 instead."""
     return max(v, -9999.0)
+
+
+def prompt_logprobs_info(asked: int | None, res: RequestOutput
+                         ) -> list[dict[int, LogprobInfo] | None] | None:
+    """vLLM's prompt_logprobs of a response: per prompt token (None for the first), its
+    logprob and the top-`asked` tokens."""
+    if asked is None or res.prompt_logprobs is None:
+        return None
+    return [None if e is None else {t: LogprobInfo(logprob=clamp_logprob(lp.logprob),
+                                                   rank=lp.rank, decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in res.prompt_logprobs]
 
 
 async def merge_async_iterators(*iterators: AsyncGenerator[T, None]

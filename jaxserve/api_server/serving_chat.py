@@ -36,6 +36,7 @@ from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
     clamp_logprob,
+    prompt_logprobs_info,
     sse,
     sse_error,
     stop_holdback,
@@ -72,7 +73,11 @@ class OpenAIServingChat:
                                   "cannot be combined with another structured output",
                                   param="tool_choice")
             structured = await ctx.check_grammar(*grammar, param="tools")
-        params = ctx.sampling_params(request, max_tokens, num_top, structured_outputs=structured)
+        if request.prompt_logprobs is not None and request.stream:
+            raise OpenAIError("prompt_logprobs is not available when stream=true (vLLM's rule)",
+                              param="prompt_logprobs")
+        params = ctx.sampling_params(request, max_tokens, num_top, request.prompt_logprobs,
+                                     structured_outputs=structured)
         request_id = f"chatcmpl-{random_uuid()}"
         gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority)
         created = int(time.time())
@@ -117,7 +122,8 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated))
+                            total_tokens=num_prompt + num_generated),
+            prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None],

@@ -15,7 +15,6 @@ from jaxserve.api_server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    LogprobInfo,
     UsageInfo,
     random_uuid,
 )
@@ -24,6 +23,7 @@ from jaxserve.api_server.serving import (
     ServingContext,
     clamp_logprob,
     merge_async_iterators,
+    prompt_logprobs_info,
     sse,
     sse_error,
     stop_holdback,
@@ -119,7 +119,7 @@ class OpenAIServingCompletion:
                     lps = self._logprobs(request, prompts, i, res, out.token_ids, out.logprobs, 0)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=lps,
-                    prompt_logprobs=self._prompt_logprobs(request, res),
+                    prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason))
                 num_generated += len(out.token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
@@ -193,18 +193,9 @@ class OpenAIServingCompletion:
         sent_tokens[k] = len(out.token_ids)
         done[k] = finished
         return CompletionResponseChoice(index=i * request.n + k, text=text, logprobs=lps,
-                                        prompt_logprobs=self._prompt_logprobs(request, res)
+                                        prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res)
                                         if first else None,
                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-
-    @staticmethod
-    def _prompt_logprobs(request: CompletionRequest, res: RequestOutput
-                         ) -> list[dict[int, LogprobInfo] | None] | None:
-        if request.prompt_logprobs is None or res.prompt_logprobs is None:
-            return None
-        return [None if e is None else {t: LogprobInfo(logprob=clamp_logprob(lp.logprob),
-                                                       rank=lp.rank, decoded_token=lp.decoded_token)
-                                        for t, lp in e.items()} for e in res.prompt_logprobs]
 
     def _logprobs(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
                   i: int, res: RequestOutput, token_ids: list[int],

@@ -16,7 +16,13 @@ import pytest
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from jaxserve.serve import human_readable_int, json_list, make_arg_parser, read_chat_template
+from jaxserve.serve import (
+    engine_config_from_args,
+    human_readable_int,
+    json_list,
+    make_arg_parser,
+    read_chat_template,
+)
 
 from .server_utils import ROOT
 
@@ -40,6 +46,9 @@ def test_positional_model_and_the_default_models_name() -> None:
     assert args.model_tag == "some/model" and args.max_model_len == 8000
     assert args.kv_cache_memory_bytes == 256 << 20
     assert resolve_model(DEFAULT_MODEL_NAME).path == default_model_path()
+    # The engine core's grammars read the same tokenizer as the API server.
+    args = make_arg_parser().parse_args(["--model", "m", "--tokenizer", "some/tokenizer"])
+    assert engine_config_from_args(args).model_config.tokenizer == "some/tokenizer"
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -143,3 +143,14 @@ def test_bad_tool_requests_are_400s(server: RemoteServer, body: dict, param: str
     r = httpx.post(server.url("/v1/chat/completions"), json={"messages": ASK, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_chat_prompt_logprobs(server: RemoteServer) -> None:
+    n_prompt = httpx.post(server.url("/tokenize"), json={"messages": ASK}, timeout=10).json()["count"]
+    body = {"messages": ASK, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
+    plp = r["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None
+    assert all(1 <= len(e) <= 2 and all("logprob" in v for v in e.values()) for e in plp[1:])
+    r = httpx.post(server.url("/v1/chat/completions"), json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -138,6 +138,8 @@ class EngineConfig:
     # name. attention_interpret runs Pallas variants in interpret mode on any platform.
     attention_backend: str = "auto"
     attention_interpret: bool = False
+    # Per-request traces box by box (jaxserve.tracing); cheap enough to leave on.
+    request_tracing: bool = True
 
 
 def make_engine_config(
@@ -166,6 +168,7 @@ def make_engine_config(
     distributed_coordinator_address: str | None = None,
     distributed_num_processes: int | None = None,
     distributed_process_id: int | None = None,
+    request_tracing: bool = True,
 ) -> EngineConfig:
     """vLLM's engine arguments -> a validated EngineConfig (every process of a
     multi-host engine builds the same one)."""
@@ -197,4 +200,5 @@ def make_engine_config(
         enforce_eager=enforce_eager,
         attention_backend=attention_backend,
         attention_interpret=attention_interpret,
+        request_tracing=request_tracing,
     )

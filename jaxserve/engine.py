@@ -71,7 +71,8 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     # pipeline stages, one per stage so that the stages overlap.
     batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
-    core = EngineCore(scheduler, executor, batch_queue_size=batch_queue)
+    core = EngineCore(scheduler, executor, batch_queue_size=batch_queue,
+                      request_tracing=config.request_tracing)
     timings = dict(worker.timings, total_s=time.perf_counter() - t0)
     return BuiltEngine(core, worker, config, num_blocks, timings)
 

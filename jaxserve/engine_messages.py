@@ -38,7 +38,9 @@ class EngineCoreMessageType(enum.IntEnum):
     """Engine core -> API server."""
 
     READY = 0  # payload: EngineReady.to_dict()
-    OUTPUTS = 1  # payload: {"outputs": [EngineCoreOutput.to_dict()], "stats": dict | None}
+    # payload: {"outputs": [EngineCoreOutput.to_dict()], "steps": {step: StepTrace.to_list()},
+    #           "stats": dict | None}
+    OUTPUTS = 1
     UTILITY_RESULT = 2  # payload: [call_id, result, error message or None]
     # payload: [[engine request id, message, the request's own fault], ...]: add refused
     REQUEST_ERRORS = 3

@@ -141,7 +141,8 @@ class EngineCoreProc:
             logger.error("unknown message type %r", kind)
 
     def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        payload = {"outputs": [o.to_dict() for o in outputs],
+        steps: dict[int, list[Any]] = {}
+        payload = {"outputs": [o.to_dict(steps) for o in outputs], "steps": steps,
                    "stats": self.core.get_stats().to_dict()}
         self.output_socket.send(encode(EngineCoreMessageType.OUTPUTS, payload))
         self.stats_dirty = False

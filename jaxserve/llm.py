@@ -38,7 +38,7 @@ class LLM:
         self.engine = built
         self.engine_core = built.core
         self.config = built.config
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
         self._counter = itertools.count()
 
     def _eos(self) -> int | None:

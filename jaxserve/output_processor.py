@@ -22,6 +22,7 @@ from tokenizers.decoders import DecodeStream
 from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tracing import RequestTrace
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     metrics: RequestMetrics
+    trace: RequestTrace | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -64,16 +66,20 @@ def child_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, request_tracing: bool = True) -> None:
+        """`request_tracing`: keep a RequestTrace per request (RequestMetrics.trace)."""
         self.tokenizer = tokenizer
+        self.request_tracing = request_tracing
         self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream needs
         self.requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        trace: RequestTrace | None = None,
     ) -> list[tuple[str, SamplingParams]]:
-        """Register a request; returns the (engine request id, params) of each sequence."""
+        """Register a request; returns the (engine request id, params) of each sequence.
+        `trace`: the request's trace so far (the API server's); else a new one."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = []
@@ -88,9 +94,13 @@ class OutputProcessor:
             seqs.append(_Sequence(i, p, DecodeStream(skip_special_tokens=p.skip_special_tokens),
                                   logprobs=[] if p.logprobs is not None else None,
                                   cumulative_logprob=0.0 if p.logprobs is not None else None))
+        if trace is None and self.request_tracing:
+            trace = RequestTrace(request_id)
+        if trace is not None:
+            trace.num_prompt_tokens = len(prompt_token_ids)
+        metrics = RequestMetrics(time.monotonic(), trace=trace)
         self.requests[request_id] = _RequestState(
-            request_id, prompt, list(prompt_token_ids), seqs, RequestMetrics(time.monotonic())
-        )
+            request_id, prompt, list(prompt_token_ids), seqs, metrics, trace)
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -122,6 +132,7 @@ class OutputProcessor:
             seq = state.seqs[parent[1]]
             if seq.finish_reason is not None:
                 continue
+            t0 = time.perf_counter()
             self._record_events(state, out, now)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
@@ -132,11 +143,17 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason = out.finish_reason.value
                 seq.stop_reason = out.stop_reason
+            if state.trace is not None:
+                self._trace_output(state.trace, seq, out, time.perf_counter() - t0)
             changed[state.request_id] = state
         results = []
         for state in changed.values():
             if state.finished:
                 state.metrics.finished_time = now
+                if state.trace is not None:
+                    state.trace.finished = t = time.time()
+                    state.trace.add("output_processor", "finished", t, reasons=[
+                        s.finish_reason for s in state.seqs])
                 self.abort_request(state.request_id)
             results.append(self._make_output(state))
         return results, to_abort
@@ -191,6 +208,19 @@ class OutputProcessor:
         ids, vals, rank = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
         seq.logprobs.append(self._entry(ids, vals, rank))
         seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + vals[0]
+
+    @staticmethod
+    def _trace_output(trace: RequestTrace, seq: _Sequence, out: EngineCoreOutput,
+                      busy_s: float) -> None:
+        k = seq.index
+        if out.events:
+            trace.add_engine_events(out.events, k)
+        if out.trace_steps:
+            trace.add_steps(out.trace_steps, k)
+        trace.num_cached_tokens = max(trace.num_cached_tokens, out.num_cached_tokens)
+        trace.record_output(time.time(), busy_s, len(out.new_token_ids))
+        if seq.finish_reason is not None:
+            trace.finish_reasons[k] = seq.finish_reason
 
     @staticmethod
     def _record_events(state: _RequestState, out: EngineCoreOutput, now: float) -> None:

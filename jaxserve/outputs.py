@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class FinishReason(enum.Enum):
@@ -68,6 +69,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Box by box (jaxserve.tracing.RequestTrace; None with tracing off): `trace.to_dict()`.
+    trace: Any = None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -110,6 +110,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="schedule step N+1 while step N runs")
     engine.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
                         default="fcfs", help="order of the waiting queue")
+    engine.add_argument("--request-tracing", action=argparse.BooleanOptionalAction, default=True,
+                        help="trace each request box by box (/debug); --no-request-tracing turns it off")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="skip compiling the buckets at start-up (compile lazily)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -182,7 +184,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        attention_interpret=args.attention_interpret,
+        attention_interpret=args.attention_interpret, request_tracing=args.request_tracing,
     )
 
 

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
+from jaxserve.api_server.debug_routes import add_debug_routes
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.protocol import (
     ChatCompletionRequest,
@@ -150,6 +151,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     async def show_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_debug_routes(app, ctx)
     return app
 
 

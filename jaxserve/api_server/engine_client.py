@@ -24,8 +24,10 @@ import zmq
 import zmq.asyncio
 
 from jaxserve.api_server.metrics import RequestStateStats, ServerMetrics
+from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 from jaxserve.engine_core.outputs import EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.tracing import StepTrace
 from jaxserve.engine_messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
@@ -38,6 +40,7 @@ from jaxserve.engine_messages import (
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +62,14 @@ class EngineClient:
 
     def __init__(self, tokenizer: Any, process: multiprocessing.process.BaseProcess,
                  input_address: str, output_address: str, metrics: ServerMetrics | None = None,
-                 engine_index: int = 0) -> None:
+                 engine_index: int = 0, traces: TraceStore | None = None,
+                 counters: LiveCounters | None = None) -> None:
         self.process = process
         self.engine_index = engine_index  # data-parallel rank
         self.metrics = metrics
-        self.output_processor = OutputProcessor(tokenizer)
+        self.traces = traces or TraceStore(enabled=False)
+        self.counters = counters or LiveCounters()
+        self.output_processor = OutputProcessor(tokenizer, self.traces.enabled)
         self._sync_ctx = zmq.Context()
         # Input: a plain socket, so that abort() can send synchronously from a
         # `finally` of a cancelled task (no await). HWM 0: never drop or block.
@@ -154,37 +160,58 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, priority: int = 0,
-                       arrival_time: float | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       arrival_time: float | None = None,
+                       trace: RequestTrace | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutput as it grows, the last one finished.
 
         When several outputs arrived since the previous iteration, only the
-        newest is yielded (outputs are cumulative)."""
+        newest is yielded (outputs are cumulative). `trace`: the request's trace so far
+        (TraceStore.start); the engine core and this client add to it."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_error)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        queue = self._add_request(request_id, prompt, prompt_token_ids, params, priority, arrival_time)
-        finished = False
+        try:
+            queue = self._add_request(request_id, prompt, prompt_token_ids, params, priority,
+                                      arrival_time, trace)
+        except BaseException:
+            self.traces.finish(trace, "not sent")
+            raise
+        finished, reason = False, "abort"
+        respond_s, first, last, n = 0.0, 0.0, 0.0, 0
         try:
             while True:
                 item = await queue.get()
                 while not queue.empty() and not isinstance(item, BaseException):
                     item = queue.get_nowait()
                 if isinstance(item, BaseException):
-                    finished = True  # nothing left in the engine to abort
-                    raise item
+                    finished, reason = True, f"error: {type(item).__name__}"
+                    raise item  # nothing left in the engine to abort
                 finished = item.finished
+                # The time the consumer takes with each output (formatting, sending) is the
+                # API server's part of the response.
+                t = time.time()
+                first = first or t
                 yield item
+                last = time.time()
+                respond_s, n = respond_s + last - t, n + 1
                 if finished:
+                    reason = None
                     return
         finally:
             if not finished:
                 self.abort(request_id)
+            if trace is not None:
+                if n:
+                    trace.add("api_server", "respond", first, last, outputs=n, busy_s=respond_s)
+                self.traces.finish(trace, reason)
 
     def _add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                     params: SamplingParams, priority: int, arrival_time: float
+                     params: SamplingParams, priority: int, arrival_time: float,
+                     trace: RequestTrace | None = None
                      ) -> asyncio.Queue[RequestOutput | BaseException]:
         """Register the request and send it; nothing stays registered if either fails."""
-        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                     trace)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
             frame = encode(EngineCoreRequestType.ADD, [
@@ -195,6 +222,8 @@ class EngineClient:
                 self._children[cid] = request_id
                 self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
             self._input.send(frame, zmq.NOBLOCK)
+            if trace is not None:
+                trace.add("engine_core", "sent", time.time(), engine=self.engine_index)
         except BaseException:
             self.output_processor.abort_request(request_id)
             self._queues.pop(request_id, None)
@@ -260,8 +289,10 @@ class EngineClient:
             self._mark_dead("the API server's output loop failed")
 
     def _process_outputs(self, payload: dict[str, Any]) -> None:
-        outputs = [EngineCoreOutput.from_dict(d) for d in payload["outputs"]]
+        steps = {int(k): StepTrace.from_list(v) for k, v in (payload.get("steps") or {}).items()}
+        outputs = [EngineCoreOutput.from_dict(d, steps) for d in payload["outputs"]]
         now = time.monotonic()
+        self.counters.record_tokens(sum(len(o.new_token_ids) for o in outputs), now)
         if self.metrics is not None:
             for out in outputs:
                 s = self._req_stats.get(out.req_id)
@@ -281,8 +312,11 @@ class EngineClient:
                 queue.put_nowait(r)
             if r.finished:
                 self._queues.pop(r.request_id, None)
-        if payload.get("stats") is not None and self.metrics is not None:
-            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]), self.engine_index)
+        if payload.get("stats") is not None:
+            stats = SchedulerStats.from_dict(payload["stats"])
+            self.counters.record_stats(stats, self.engine_index)
+            if self.metrics is not None:
+                self.metrics.record_scheduler_stats(stats, self.engine_index)
 
     def _finish_child(self, cid: str, reason: str, now: float | None = None) -> None:
         self._children.pop(cid, None)

@@ -20,8 +20,10 @@ import uvicorn
 
 from jaxserve.api_server.app import build_app
 from jaxserve.api_server.dp_client import DPEngineClient
+from jaxserve.api_server.diagnose import ServerFacts
 from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
+from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 from jaxserve.api_server.serving import ServingContext
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
@@ -50,12 +52,14 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
+    traces, counters = TraceStore(enabled=config.request_tracing), LiveCounters()
     log_level = logging.getLogger().getEffectiveLevel()
     clients = []
     for rank in range(config.parallel_config.data_parallel_size):
         input_address, output_address = new_ipc_addresses()
         process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
-        clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics, rank))
+        clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics,
+                                    rank, traces, counters))
         logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
     client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
     try:
@@ -82,7 +86,11 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                          default_sampling=defaults, max_logprobs=args.max_logprobs,
                          tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser, traces=traces, counters=counters,
+                         facts=ServerFacts(ready.max_num_seqs,
+                                           config.scheduler_config.max_num_batched_tokens,
+                                           config.enforce_eager,
+                                           config.parallel_config.data_parallel_size))
     app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
                     cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                               allow_headers=args.allowed_headers,

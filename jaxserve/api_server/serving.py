@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.chat_tools import template_message
+from jaxserve.api_server.diagnose import ServerFacts
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import (
     ChatMessage,
@@ -32,9 +33,11 @@ from jaxserve.api_server.protocol import (
     LogprobInfo,
     SamplingRequestFields,
 )
+from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tracing import RequestTrace
 
 T = TypeVar("T")
 logger = logging.getLogger("jaxserve.api_server")
@@ -129,6 +132,10 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    # /debug: request traces, live counters, the flags diagnose's advice names.
+    traces: TraceStore = field(default_factory=lambda: TraceStore(enabled=False))
+    counters: LiveCounters = field(default_factory=LiveCounters)
+    facts: ServerFacts = field(default_factory=lambda: ServerFacts(0, 0))
     # Tokenizing and rendering templates run here, off the event loop: a large request must
     # not stall /health or other clients' streams.
     executor: ThreadPoolExecutor = field(
@@ -161,6 +168,15 @@ class ServingContext:
     async def tokenize(self, text: str, param: str = "prompt", **kwargs: Any) -> list[int]:
         self.check_text_size(text, param)
         return (await self.off_loop(self.tokenizer, text, **kwargs)).input_ids
+
+    def start_trace(self, request_id: str, received: float,
+                    spans: list[tuple[str, float, float]]) -> RequestTrace | None:
+        """The request's trace, with the API server's work so far (None: tracing is off)."""
+        trace = self.traces.start(request_id, received)
+        if trace is not None:
+            for name, start, end in spans:
+                trace.add("api_server", name, start, end)
+        return trace
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:

@@ -52,17 +52,21 @@ class OpenAIServingChat:
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         """Validate, then generate; raises OpenAIError for a bad request."""
         ctx = self.ctx
+        received = time.time()
         ctx.check_model(request.model)
         try:
             mode = resolve_tool_mode(request, ctx.tool_call_parser, ctx.enable_auto_tool_choice)
         except ToolChoiceError as e:
             raise OpenAIError(str(e), param=e.param) from None
         num_top = self._num_top_logprobs(request)
+        t0 = time.time()
         text = await ctx.render_chat(request.messages, request.add_generation_prompt,
                                      request.continue_final_message, request.chat_template_kwargs,
                                      request.chat_template, template_tools(request))
+        t1 = time.time()
         # The template already holds the special tokens (BOS etc.), as in vLLM.
         token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
+        spans = [("chat_template", t0, t1), ("tokenize", t1, time.time())]
         requested = request.max_completion_tokens
         max_tokens = ctx.check_prompt(token_ids, request.max_tokens if requested is None else requested)
         structured = await ctx.structured_outputs(request)
@@ -79,7 +83,8 @@ class OpenAIServingChat:
         params = ctx.sampling_params(request, max_tokens, num_top, request.prompt_logprobs,
                                      structured_outputs=structured)
         request_id = f"chatcmpl-{random_uuid()}"
-        gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority)
+        gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority,
+                                  trace=ctx.start_trace(request_id, received, spans))
         created = int(time.time())
         # A grammar constrains the reply from its first token, so it has no reasoning part
         # (vLLM lets a model think before the grammar starts; not done here).

@@ -45,12 +45,14 @@ class OpenAIServingCompletion:
     async def create_completion(self, request: CompletionRequest) -> Response:
         """Validate, then generate; raises OpenAIError for a bad request."""
         ctx = self.ctx
+        received = time.time()
         ctx.check_model(request.model)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must equal n)", param="best_of")
         prompts = await self._prompts(request.prompt)
+        spans = [("tokenize", received, time.time())]
         if len(prompts) * request.n > MAX_SEQUENCES:
             raise OpenAIError(f"{len(prompts)} prompts x n={request.n} exceeds {MAX_SEQUENCES} "
                               "sequences per request", param="n")
@@ -68,8 +70,10 @@ class OpenAIServingCompletion:
             params_list.append(ctx.sampling_params(request, max_tokens, request.logprobs,
                                                    prompt_lps, structured))
         for i, ((text, ids), params) in enumerate(zip(prompts, params_list)):
-            gens.append(ctx.client.generate(f"{request_id}-{i}", text, ids, params,
-                                            priority=request.priority, arrival_time=arrival))
+            rid = f"{request_id}-{i}"
+            gens.append(ctx.client.generate(rid, text, ids, params, priority=request.priority,
+                                            arrival_time=arrival,
+                                            trace=ctx.start_trace(rid, received, spans)))
         created = int(time.time())
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, prompts, gens),

@@ -12,6 +12,7 @@ pages before its last in-flight step completes safe.
 from __future__ import annotations
 
 import gc
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
@@ -22,6 +23,7 @@ from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.tracing import StepTrace, StepTracer
 
 
 class ModelRunnerOutputHandle(Protocol):
@@ -70,12 +72,14 @@ class EngineCore:
         worker: Worker,
         batch_queue_size: int | None = None,
         freeze_gc: bool = False,
+        request_tracing: bool = True,
     ) -> None:
         """`batch_queue_size`: steps in flight for step_with_batch_queue; by
         default 2 with async scheduling (overlap the host with the device),
         else 1. `freeze_gc`: call freeze_gc_heap() now; for a dedicated
         engine-core process, once everything is loaded (frozen objects are
-        never collected, so not for processes that build many engines)."""
+        never collected, so not for processes that build many engines).
+        `request_tracing`: stamp each step for request traces (StepTracer)."""
         if batch_queue_size is None:
             batch_queue_size = 2 if scheduler.async_scheduling else 1
         if batch_queue_size < 1:
@@ -83,8 +87,9 @@ class EngineCore:
         self.scheduler = scheduler
         self.worker = worker
         self.batch_queue_size = batch_queue_size
+        self.tracer = StepTracer(scheduler.block_size, request_tracing)
         # In-flight steps, newest on the left.
-        self.batch_queue: deque[tuple[ModelRunnerOutputHandle, SchedulerOutput]] = deque()
+        self.batch_queue: deque[tuple[ModelRunnerOutputHandle, SchedulerOutput, StepTrace | None]] = deque()
         self._execute_async = (
             worker.execute_model_async if isinstance(worker, AsyncWorker) else None
         )
@@ -98,20 +103,33 @@ class EngineCore:
         """Abort requests; their pages are freed now and the worker drops them
         with the next step. No output is produced for them."""
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        self.tracer.drop(req_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.step_stats = self.tracer.stats()
+        return stats
 
     def step(self) -> list[EngineCoreOutput]:
         """One synchronous step: schedule, execute, update."""
         if not self.scheduler.has_requests():
             return []
+        t0 = time.time()
         scheduler_output = self.scheduler.schedule()
-        model_output = self._execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        st = self.tracer.scheduled(scheduler_output, t0)
+        model_output = self._execute(scheduler_output, st)
+        return self._update(scheduler_output, model_output, st)
+
+    def _update(self, so: SchedulerOutput, model_output: ModelRunnerOutput,
+                st: StepTrace | None) -> list[EngineCoreOutput]:
+        self.tracer.done(st, model_output.sample_s, model_output.num_compiles,
+                         model_output.compile_s)
+        outputs = self.scheduler.update_from_output(so, model_output)
+        self.tracer.updated(st, outputs)
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
         """One turn of the async loop. Schedules and dispatches a new step if
@@ -120,16 +138,20 @@ class EngineCore:
         Returns None when it only dispatched."""
         dispatched = False
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
+            t0 = time.time()
             scheduler_output = self.scheduler.schedule()
             if self._has_work_for_worker(scheduler_output):
-                self.batch_queue.appendleft((self._dispatch(scheduler_output), scheduler_output))
+                st = self.tracer.scheduled(scheduler_output, t0)
+                handle = self._dispatch(scheduler_output)
+                self.tracer.dispatched(st)
+                self.batch_queue.appendleft((handle, scheduler_output, st))
                 dispatched = True
         if not self.batch_queue:
             return []
         if dispatched and len(self.batch_queue) < self.batch_queue_size:
             return None
-        handle, scheduler_output = self.batch_queue.pop()
-        return self.scheduler.update_from_output(scheduler_output, handle.result())
+        handle, scheduler_output, st = self.batch_queue.pop()
+        return self._update(scheduler_output, handle.result(), st)
 
     @staticmethod
     def _has_work_for_worker(scheduler_output: SchedulerOutput) -> bool:
@@ -139,12 +161,14 @@ class EngineCore:
             or scheduler_output.preempted_req_ids
         )
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput, st: StepTrace | None) -> ModelRunnerOutput:
         # NOTE: a step with no tokens still reaches the worker when it carries
         # ids to drop; a step with nothing at all is skipped.
         if not self._has_work_for_worker(scheduler_output):
             return EMPTY_MODEL_RUNNER_OUTPUT
-        return self.worker.execute_model(scheduler_output)
+        handle = self._dispatch(scheduler_output)
+        self.tracer.dispatched(st)
+        return handle.result()
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle:
         if self._execute_async is not None:

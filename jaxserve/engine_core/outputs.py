@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists
+from jaxserve.engine_core.tracing import StepEntry, StepTrace
 from jaxserve.outputs import FinishReason
 
 
@@ -48,15 +49,26 @@ class EngineCoreOutput:
     events: list[EngineCoreEvent] | None = None
     # With the first token of a prompt_logprobs request: rows for prompt tokens 1..P-1.
     prompt_logprobs: LogprobsLists | None = None
+    # The steps it took part in since its previous output (tracing.StepTracer).
+    trace_steps: list[StepEntry] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only, for msgpack."""
+    def to_dict(self, steps: dict[int, list[Any]] | None = None) -> dict[str, Any]:
+        """Plain types only, for msgpack. Its steps' shared facts go into `steps` (one table
+        per message), the output keeps [step, tokens, pages, computed before, admitted]."""
         lp = self.new_logprobs
+        trace = None
+        if self.trace_steps is not None:
+            trace = []
+            for st, *entry in self.trace_steps:
+                if steps is not None and st.step not in steps:
+                    steps[st.step] = st.to_list()
+                trace.append([st.step, *entry])
         return {
+            "trace_steps": trace,
             "req_id": self.req_id,
             "new_token_ids": self.new_token_ids,
             "new_logprobs": None
@@ -74,9 +86,12 @@ class EngineCoreOutput:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineCoreOutput:
+    def from_dict(cls, d: dict[str, Any], steps: dict[int, StepTrace] | None = None
+                  ) -> EngineCoreOutput:
+        """`steps`: the message's step table, read back (see to_dict)."""
         lp = d["new_logprobs"]
         events = d["events"]
+        trace = d.get("trace_steps")
         return cls(
             req_id=d["req_id"],
             new_token_ids=list(d["new_token_ids"]),
@@ -89,4 +104,6 @@ class EngineCoreOutput:
             else [EngineCoreEvent(EngineCoreEventType(t), ts) for t, ts in events],
             prompt_logprobs=None if d.get("prompt_logprobs") is None
             else LogprobsLists(*d["prompt_logprobs"]),
+            trace_steps=None if trace is None or steps is None
+            else [(steps[s], t, p, c, bool(a)) for s, t, p, c, a in trace if s in steps],
         )

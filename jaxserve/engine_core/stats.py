@@ -37,6 +37,8 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of pages in use, 0..1
     prefix_cache_stats: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0  # since the previous snapshot
+    # StepTracer.stats(): num_steps, step_time_s, batch_size, num_compiles, compile_s
+    step_stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

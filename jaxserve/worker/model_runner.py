@@ -41,6 +41,7 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
+from jaxserve.worker.step_handle import CompileMonitor, PromptLogprobRows, StepFacts, StepHandle
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
@@ -76,38 +77,6 @@ class PenaltyState:
     stop_mask: jax.Array  # bool[S, V]: EOS and stop_token_ids, masked before min_tokens
     bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; V = unused entry
     bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]
-
-
-class StepHandle:
-    """A dispatched step; `result()` waits for its tokens (the only device sync)."""
-
-    def __init__(self, runner: "ModelRunner", req_ids: list[str], samples: np.ndarray,
-                 out: SamplerOutput | None, num_logprobs: np.ndarray,
-                 prompt: tuple[Any, list[PromptLogprobRows]] | None = None) -> None:
-        self._runner, self._req_ids, self._samples = runner, req_ids, samples
-        self._out, self._num_logprobs, self._prompt = out, num_logprobs, prompt
-        self._result: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._result is None:
-            self._result = self._runner._to_output(
-                self._req_ids, self._samples, self._out, self._num_logprobs
-            )
-            if self._prompt is not None:
-                self._result.prompt_logprobs = self._runner._prompt_output(*self._prompt)
-        return self._result
-
-
-@dataclass(frozen=True)
-class PromptLogprobRows:
-    """Where one request's prompt-logprob rows sit in a step: flat token rows
-    [start, start + count) give prompt positions first.. (each row predicts the next token)."""
-
-    req_id: str
-    first_position: int
-    start: int
-    count: int
-    num_logprobs: int
 
 
 class ModelRunner:
@@ -151,6 +120,10 @@ class ModelRunner:
             out_shardings=replicated,
         )
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
+        # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
+        # traces split a step's device time into forward and sampler with it.
+        self.sample_time_s: dict[tuple[int, SamplerMode], float] = {}
+        CompileMonitor.install()
 
     # ---- compiled programs -------------------------------------------------------------
 
@@ -287,6 +260,7 @@ class ModelRunner:
 
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Update the batch from `so`, dispatch the step and return without waiting."""
+        compiles, compile_s = CompileMonitor.count, CompileMonitor.seconds
         self._update_batch(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
@@ -317,8 +291,10 @@ class ModelRunner:
         self.last_sampled, self.penalties, out = self._sample(
             R, mode, self.params, hidden, self.last_sampled, self.penalties, md,
             *(() if bitmask is None else (bitmask,)))
+        facts = StepFacts(self.sample_time_s.get((R, mode), 0.0),
+                          CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
-                          prompt_out)
+                          prompt_out, facts)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()
@@ -440,8 +416,14 @@ class ModelRunner:
             for R in self.request_buckets:
                 md, _ = self._sampling_inputs(inp, empty, np.zeros(0, bool), R)
                 for mode in modes:
-                    self.last_sampled, self.penalties, out = self._sample(
-                        R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
+                    for timed in (False, True):  # compile, then time a warm run
+                        jax.block_until_ready(hidden)
+                        t = time.perf_counter()
+                        self.last_sampled, self.penalties, out = self._sample(
+                            R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
+                        jax.block_until_ready(out)
+                        if timed:
+                            self.sample_time_s[(R, mode)] = time.perf_counter() - t
                     bar.update()
             self._admit_slot(0, [], [])
             bar.update()

@@ -29,7 +29,8 @@ from jaxserve.parallel.pipeline import build_stages
 from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.worker.model_runner import ModelRunner, StepHandle
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 

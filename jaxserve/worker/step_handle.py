@@ -1,0 +1,91 @@
+"""What one dispatched step hands back, and what the worker tells traces about it.
+
+`StepHandle.result()` is the step's only device sync. `CompileMonitor` counts the programs
+JAX builds (traces, lowerings, compiles) so a step that compiled is visible in its trace and
+in the live counters: after warm-up that number should stay 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from jax import monitoring
+
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from jaxserve.worker.model_runner import ModelRunner
+    from jaxserve.worker.sampler import SamplerOutput
+
+
+class CompileMonitor:
+    """Process-wide counts of JAX program builds (JAX's listeners cannot be removed, so
+    one is registered per process, on first use)."""
+
+    count = 0
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._registered:
+            monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+
+    @classmethod
+    def _on_event(cls, name: str, secs: float, **_: Any) -> None:
+        if name.startswith("/jax/core/compile/"):
+            cls.seconds += secs
+            if name == "/jax/core/compile/jaxpr_trace_duration":
+                cls.count += 1  # one per program built (cached on disk or not)
+
+
+@dataclass
+class StepFacts:
+    """A step's facts for its trace (ModelRunnerOutput's sample_s / num_compiles / compile_s)."""
+
+    sample_s: float = 0.0
+    num_compiles: int = 0
+    compile_s: float = 0.0
+
+
+class StepHandle:
+    """A dispatched step; `result()` waits for its tokens (the only device sync)."""
+
+    def __init__(self, runner: ModelRunner, req_ids: list[str], samples: np.ndarray,
+                 out: SamplerOutput | None, num_logprobs: np.ndarray,
+                 prompt: tuple[Any, list[PromptLogprobRows]] | None = None,
+                 facts: StepFacts | None = None) -> None:
+        self._runner, self._req_ids, self._samples = runner, req_ids, samples
+        self._out, self._num_logprobs, self._prompt = out, num_logprobs, prompt
+        self._facts = facts
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            self._result = self._runner._to_output(
+                self._req_ids, self._samples, self._out, self._num_logprobs
+            )
+            if self._prompt is not None:
+                self._result.prompt_logprobs = self._runner._prompt_output(*self._prompt)
+            if self._facts is not None:
+                f = self._facts
+                self._result.sample_s, self._result.num_compiles = f.sample_s, f.num_compiles
+                self._result.compile_s = f.compile_s
+        return self._result
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Where one request's prompt-logprob rows sit in a step: flat token rows
+    [start, start + count) give prompt positions first.. (each row predicts the next token)."""
+
+    req_id: str
+    first_position: int
+    start: int
+    count: int
+    num_logprobs: int
+
+

@@ -112,6 +112,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         default="fcfs", help="order of the waiting queue")
     engine.add_argument("--request-tracing", action=argparse.BooleanOptionalAction, default=True,
                         help="trace each request box by box (/debug); --no-request-tracing turns it off")
+    engine.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export each request's trace as OpenTelemetry spans to this OTLP "
+                             "HTTP endpoint (e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="skip compiling the buckets at start-up (compile lazily)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -214,6 +217,13 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model(args.tokenizer)
         except (ValueError, FileNotFoundError) as e:
             parser.error(f"--tokenizer: {e}")
+    if args.otlp_traces_endpoint and not args.request_tracing:
+        parser.error("--otlp-traces-endpoint needs request tracing (drop --no-request-tracing)")
+    if args.otlp_traces_endpoint:
+        try:
+            import opentelemetry.sdk  # noqa: F401
+        except ImportError:
+            parser.error("--otlp-traces-endpoint needs OpenTelemetry: pip install -e '.[otel]'")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):

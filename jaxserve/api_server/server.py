@@ -52,7 +52,13 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
-    traces, counters = TraceStore(enabled=config.request_tracing), LiveCounters()
+    exporter = None
+    if args.otlp_traces_endpoint:
+        from jaxserve.api_server.otel import OtlpTraceExporter
+
+        exporter = OtlpTraceExporter(args.otlp_traces_endpoint, names[0])
+    traces = TraceStore(enabled=config.request_tracing, exporter=exporter)
+    counters = LiveCounters()
     log_level = logging.getLogger().getEffectiveLevel()
     clients = []
     for rank in range(config.parallel_config.data_parallel_size):
@@ -122,6 +128,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         for task in tasks:
             task.cancel()
         await client.shutdown()
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)  # send what is still batched
     if exit_code:
         logger.error("exiting: %s", client.dead_error)
     return exit_code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.engine_core.stats import SchedulerStats
@@ -18,9 +19,12 @@ DEFAULT_CAPACITY = 256
 
 
 class TraceStore:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, enabled: bool = True) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, enabled: bool = True,
+                 exporter: Callable[[RequestTrace], None] | None = None) -> None:
+        """`exporter`: called with each finished trace (OpenTelemetry, otel.py)."""
         self.enabled = enabled
         self.capacity = capacity
+        self.exporter = exporter
         self.running: dict[str, RequestTrace] = {}
         self.finished: OrderedDict[str, RequestTrace] = OrderedDict()
 
@@ -42,6 +46,8 @@ class TraceStore:
         self.finished[trace.request_id] = trace
         while len(self.finished) > self.capacity:
             self.finished.popitem(last=False)
+        if self.exporter is not None:
+            self.exporter(trace)
 
     def lookup(self, request_id: str) -> list[RequestTrace]:
         """The traces behind an OpenAI response id: itself, or its prompts' (`{id}-{i}`) when

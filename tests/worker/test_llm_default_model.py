@@ -95,11 +95,17 @@ def test_nothing_compiles_after_warm_up(llm: LLM) -> None:
                            frequency_penalty=0.5, presence_penalty=0.5, max_tokens=20),
         ]
         prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2  # 32 prompts, up to ~160 tokens
-        llm.generate(prompts, [mixed[i % 3] for i in range(len(prompts))], use_tqdm=False)
-        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts, [mixed[i % 3] for i in range(len(prompts))], use_tqdm=False)
+        outs += llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     finally:
-        jax.monitoring.clear_event_listeners()
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
+    # Each RequestOutput keeps its trace (vLLM's metrics), and the traces agree: no step compiled.
+    for o in outs:
+        trace = o.metrics.trace.to_dict()
+        assert trace["summary"]["num_compiles"] == 0
+        assert {e["box"] for e in trace["events"]} >= {
+            "engine_core", "scheduler", "kv_cache_manager", "model_runner", "sampler", "output_processor"}
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_keep_greedy_outputs(reference) -> None:

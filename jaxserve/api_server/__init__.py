@@ -8,6 +8,10 @@
     tool_parsers.py      --tool-call-parser: hermes/qwen, llama3_json, mistral
     reasoning_parsers.py --reasoning-parser: deepseek_r1, qwen3 (<think>...</think>)
     app.py               routes and errors
+    debug_routes.py      /debug: the map page, live counters, request traces, diagnose
+    trace_store.py       recent request traces and the live counters behind /debug
+    diagnose.py          symptom -> box findings from traces and counters
+    otel.py              --otlp-traces-endpoint: traces as OpenTelemetry spans
     metrics.py           Prometheus metrics (vLLM's names, `jaxserve:` prefix)
     server.py            engine process + readiness handshake + uvicorn
 """

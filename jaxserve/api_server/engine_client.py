@@ -166,10 +166,11 @@ class EngineClient:
 
         When several outputs arrived since the previous iteration, only the
         newest is yielded (outputs are cumulative). `trace`: the request's trace so far
-        (TraceStore.start); the engine core and this client add to it."""
+        (TraceStore.new); the engine core and this client add to it."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_error)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.traces.start(trace)
         try:
             queue = self._add_request(request_id, prompt, prompt_token_ids, params, priority,
                                       arrival_time, trace)

@@ -19,12 +19,12 @@ from typing import Any
 import uvicorn
 
 from jaxserve.api_server.app import build_app
-from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.diagnose import ServerFacts
+from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 from jaxserve.api_server.serving import ServingContext
+from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
 from jaxserve.engine_process import launch_engine_core

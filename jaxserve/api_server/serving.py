@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.chat_tools import template_message
 from jaxserve.api_server.diagnose import ServerFacts
+from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import (
     ChatMessage,
@@ -172,7 +172,7 @@ class ServingContext:
     def start_trace(self, request_id: str, received: float,
                     spans: list[tuple[str, float, float]]) -> RequestTrace | None:
         """The request's trace, with the API server's work so far (None: tracing is off)."""
-        trace = self.traces.start(request_id, received)
+        trace = self.traces.new(request_id, received)
         if trace is not None:
             for name, start, end in spans:
                 trace.add("api_server", name, start, end)

@@ -28,13 +28,15 @@ class TraceStore:
         self.running: dict[str, RequestTrace] = {}
         self.finished: OrderedDict[str, RequestTrace] = OrderedDict()
 
-    def start(self, request_id: str, received: float | None = None) -> RequestTrace | None:
-        """A new trace (None with tracing off), registered as running."""
-        if not self.enabled:
-            return None
-        trace = RequestTrace(request_id, received)
-        self.running[request_id] = trace
-        return trace
+    def new(self, request_id: str, received: float | None = None) -> RequestTrace | None:
+        """A new trace (None with tracing off); `start` registers it once the request runs."""
+        return RequestTrace(request_id, received) if self.enabled else None
+
+    def start(self, trace: RequestTrace | None) -> None:
+        """Register a trace as running. Called where `finish` is sure to follow (inside the
+        request's generator): a request dropped before it starts leaves nothing behind."""
+        if trace is not None:
+            self.running[trace.request_id] = trace
 
     def finish(self, trace: RequestTrace | None, reason: str | None = None) -> None:
         """Move a trace to the ring of finished ones (the oldest drops out)."""

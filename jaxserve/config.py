@@ -7,6 +7,8 @@ This module never imports JAX (the engine core and API server read it).
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import enum
 from dataclasses import dataclass
@@ -123,6 +125,22 @@ class ParallelConfig:
             raise ValueError(f"distributed_num_processes must be >= 1, got {n}")
         if pid is not None and n is not None and not 0 <= pid < n:
             raise ValueError(f"distributed_process_id must be in [0, {n}), got {pid}")
+
+    def distributed(self) -> tuple[str | None, int, int]:
+        """(coordinator address, number of processes, this process's id): the fields first,
+        then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (JAX-free: the
+        server reads it to know whether it serves or follows)."""
+        n = self.distributed_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+        pid = self.distributed_process_id
+        if pid is None:
+            pid = int(os.environ.get("JAX_PROCESS_ID", "0"))
+        addr = self.distributed_coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+        if n > 1 and not addr:
+            raise ValueError("multi-host needs a coordinator address (JAX_COORDINATOR_ADDRESS "
+                             "or distributed_coordinator_address)")
+        if not 0 <= pid < n:
+            raise ValueError(f"JAX_PROCESS_ID must be in [0, {n}), got {pid}")
+        return addr, n, pid
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,9 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
         output_socket.send(encode(EngineCoreMessageType.ENGINE_ERROR, f"{type(e).__name__}: {e}"))
         output_socket.close()
         sys.exit(1)
+    stop = getattr(built.core.worker, "shutdown", None)
+    if stop is not None:
+        stop()  # multi-host: release the processes following this one
     input_socket.close(linger=0)
     output_socket.close(linger=0)
     ctx.term()

@@ -6,14 +6,16 @@ worker and sampler as the server, so tests of `LLM` exercise the real path.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from jaxserve.config import make_engine_config
-from jaxserve.engine import build_engine_core
+from jaxserve.engine import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
 from jaxserve.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.output_processor import OutputProcessor
@@ -30,6 +32,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """`engine_args` are those of `make_engine_config` (vLLM's names)."""
         config = make_engine_config(model, **engine_args)
+        _, num_processes, process_id = config.parallel_config.distributed()
+        if process_id != 0:
+            # Multi-host, the same script on every host: the others follow process 0's steps
+            # until its LLM shuts down, then leave; the rest of the script is process 0's.
+            steps = run_follower_process(config)
+            logging.getLogger(__name__).info("followed process 0 for %d steps", steps)
+            raise SystemExit(0)
         files = resolve_model(model)
         self.tokenizer = load_tokenizer(config.model_config.tokenizer or files)
         self._model_eos = model_eos_token_ids(files)
@@ -40,6 +49,9 @@ class LLM:
         self.config = built.config
         self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
         self._counter = itertools.count()
+        self._shut_down = False
+        if num_processes > 1:
+            atexit.register(self.shutdown)  # a script that ends still releases the others
 
     def _eos(self) -> int | None:
         return None if self.tokenizer.eos_token_id is None else int(self.tokenizer.eos_token_id)
@@ -97,7 +109,10 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Release the other hosts of a multi-host engine (a no-op otherwise)."""
+        """Release the other hosts of a multi-host engine (a no-op otherwise; once)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         stop = getattr(self.engine_core.worker, "shutdown", None)
         if stop is not None:
             stop()

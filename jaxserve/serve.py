@@ -191,6 +191,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def follow(config: EngineConfig, process_id: int, num_processes: int) -> int:
+    """Process k > 0 of a multi-host server (the same command on every host): no API server
+    here; build the same worker and run every step process 0 broadcasts, until it stops."""
+    level = os.environ.get("JAXSERVE_LOGGING_LEVEL", "INFO").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.INFO),
+                        format=f"%(levelname)s %(asctime)s [process {process_id}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("jaxserve").info("process %d of %d: following process 0 (which serves the API)",
+                                       process_id, num_processes)
+    from jaxserve.engine import run_follower_process  # imports JAX: this process is a worker
+
+    run_follower_process(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
@@ -202,8 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = engine_config_from_args(args)
         resolve_model(args.model)  # a missing model is a usage error, before any process starts
+        _, num_processes, process_id = config.parallel_config.distributed()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    if num_processes > 1 and config.parallel_config.data_parallel_size > 1:
+        parser.error("--data-parallel-size with multi-host (JAX_NUM_PROCESSES > 1) is not supported")
+    if process_id != 0:
+        sys.exit(follow(config, process_id, num_processes))
     if args.chat_template is not None:
         try:
             args.chat_template = read_chat_template(args.chat_template)

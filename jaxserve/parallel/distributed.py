@@ -39,14 +39,7 @@ class DistributedSettings:
 
 def distributed_settings(pc: ParallelConfig) -> DistributedSettings:
     """Flags first, then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
-    n = pc.distributed_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    pid = pc.distributed_process_id
-    if pid is None:
-        pid = int(os.environ.get("JAX_PROCESS_ID", "0"))
-    addr = pc.distributed_coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if n > 1 and not addr:
-        raise ValueError("multi-host needs a coordinator address (--distributed-coordinator-address)")
-    return DistributedSettings(addr, n, pid)
+    return DistributedSettings(*pc.distributed())
 
 
 def initialize_distributed(pc: ParallelConfig) -> DistributedSettings:
@@ -95,6 +88,7 @@ def run_follower(worker) -> int:
     while True:
         payload = _broadcast_bytes(None)
         if not payload:
+            logger.info("process 0 shut down after %d steps; this process stops following", steps)
             return steps
         so = pickle.loads(payload)
         worker.execute_model(so)  # results stay with process 0

@@ -120,3 +120,10 @@ def test_bad_tokenizer_generation_config_and_max_logprobs_are_usage_errors() -> 
                         (["--tool-call-parser", "nope"], "--tool-call-parser")):
         out = _serve(*args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
+    # Multi-host settings a follower cannot work with are usage errors too.
+    two = {"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}
+    for args, env, words in ((["-dp", "2"], two, "--data-parallel-size"),
+                             ([], dict(two, JAX_PROCESS_ID="5"), "JAX_PROCESS_ID"),
+                             ([], {"JAX_NUM_PROCESSES": "2"}, "coordinator address")):
+        out = _serve(*args, env=env)
+        assert out.returncode == 2 and words in out.stderr, (args, env, out.stderr)

@@ -2,8 +2,9 @@
 
     python -m tests.parallel.multihost_worker PROCESS_ID PORT
     python -m tests.parallel.multihost_worker single      (the same engine in one process)
-Process 0 generates (greedy, then sampled at temperature 1 without per-request seeds) and
-prints RESULTS and SAMPLED json; process 1 follows its steps. The sampled tokens match the
+Both processes run the same script: process 0 generates (greedy, then sampled at temperature 1
+without per-request seeds) and prints RESULTS and SAMPLED json; in process 1, `LLM(...)` follows
+process 0's steps and then exits, so the rest of the script is process 0's. The sampled tokens match the
 single-process run only if every process derives the same seed for each request.
 """
 
@@ -35,6 +36,7 @@ def generate(llm: object) -> None:
                            use_tqdm=False)
     llm.shutdown()
     print("RESULTS " + json.dumps([o.outputs[0].token_ids for o in greedy]))
+    print("TEXTS " + json.dumps([o.outputs[0].text for o in greedy]))
     print("SAMPLED " + json.dumps([o.outputs[0].token_ids for o in sampled]))
 
 
@@ -45,16 +47,11 @@ def main() -> None:
         generate(LLM(None, **{**ENGINE_ARGS, "tensor_parallel_size": 1}))
         return
     pid, port = int(sys.argv[1]), int(sys.argv[2])
-    dist = dict(distributed_coordinator_address=f"127.0.0.1:{port}", distributed_num_processes=2,
-                distributed_process_id=pid)
-    if pid != 0:
-        from jaxserve.engine import run_follower_process
-        from jaxserve.config import make_engine_config
-
-        steps = run_follower_process(make_engine_config(None, **ENGINE_ARGS, **dist))
-        print(f"FOLLOWED {steps} steps")
-        return
-    generate(LLM(None, **ENGINE_ARGS, **dist))
+    # The JAX_* variables, as a user sets them on each host.
+    os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                      JAX_PROCESS_ID=str(pid))
+    generate(LLM(None, **ENGINE_ARGS))
+    print("END OF SCRIPT")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import httpx
 
 import jax.numpy as jnp
 import numpy as np
@@ -90,8 +94,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve_on_two_hosts(env: dict[str, str]) -> list[str]:
+    """`python -m jaxserve.serve` started twice with the same command (only JAX_PROCESS_ID
+    differs, as on two hosts); the greedy texts process 0 serves; then it stops, and so must
+    the follower."""
+    from tests.parallel.multihost_worker import ENGINE_ARGS, PROMPTS
+
+    http_port = _free_port()
+    cmd = [sys.executable, "-m", "jaxserve.serve", "--port", str(http_port), "--disable-log-stats",
+           "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+           "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+           "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+           "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "-tp", "2"]
+    shared = dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2")
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(shared, JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the two-host server did not start"
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=300, json={
+            "prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        procs[0].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        # The follower leaves when process 0 stops; it never served HTTP.
+        assert procs[1].returncode == 0, outs[1][-3000:]
+        assert "following process 0" in outs[1] and "Uvicorn running" not in outs[1]
+    finally:
+        for p in procs:
+            p.kill()
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
 @pytest.mark.slow
-def test_two_process_multi_host_matches_single_device() -> None:
+def test_multi_host_with_one_command_matches_single_device() -> None:
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     procs = [
@@ -105,8 +150,10 @@ def test_two_process_multi_host_matches_single_device() -> None:
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    assert "FOLLOWED" in outs[1][0]
-    # The same engine in one process (run after the pair: two cores).
+    # The same script on both: process 1's LLM(...) followed, then left the script.
+    assert "END OF SCRIPT" in outs[0][0] and "END OF SCRIPT" not in outs[1][0]
+    served = _serve_on_two_hosts(env)
+    # The same engine in one process (run after the pairs: two cores).
     single = subprocess.run([sys.executable, "-m", "tests.parallel.multihost_worker", "single"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -118,3 +165,4 @@ def test_two_process_multi_host_matches_single_device() -> None:
     # Sampled without per-request seeds: equal only when both processes of the pair derive
     # each request's seed alike (and alike across runs), as the single process does.
     assert printed(outs[0][0], "SAMPLED") == printed(single.stdout, "SAMPLED")
+    assert served == printed(single.stdout, "TEXTS")

@@ -1,0 +1,84 @@
+"""diagnose(): each symptom from recent traces and live counters names its box; healthy and
+idle servers get no findings. Synthetic traces (the end-to-end cases are in test_debug.py)."""
+
+from __future__ import annotations
+
+import time
+
+from jaxserve.api_server.diagnose import ServerFacts, diagnose
+from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.tracing import StepTrace
+from jaxserve.tracing import RequestTrace
+
+FACTS = ServerFacts(max_num_seqs=4, max_num_batched_tokens=512)
+
+
+def finished_trace(store: TraceStore, rid: str, *, queue_s: float = 0.0, ttft_s: float = 0.1,
+                   prefill_steps: int = 1, compiles: int = 0, preempted: bool = False,
+                   lag_s: float = 0.0) -> RequestTrace:
+    """A finished request received 10 s ago with the given shape."""
+    t0 = time.time() - 10
+    t = RequestTrace(rid, t0)
+    t.num_prompt_tokens = 64 * prefill_steps
+    t.add("engine_core", "queued", t0, t0)
+    t.add("scheduler", "admitted", t0 + queue_s)
+    for k in range(prefill_steps):
+        st = StepTrace(k + 1, t0 + queue_s, t0 + queue_s, 1, 64, num_compiles=compiles)
+        t.add_steps([(st, 64, 4, 64 * k, k == 0)])
+    if preempted:
+        t.add("kv_cache_manager", "preempted", t0 + ttft_s)
+    t.add("engine_core", "first_token", t0 + ttft_s - lag_s)
+    t.record_output(t0 + ttft_s, 1e-4, 1)
+    store.start(t)
+    store.finish(t)
+    return t
+
+
+def boxes(findings: list[dict]) -> list[str]:
+    return [f["box"] for f in findings]
+
+
+def test_idle_and_healthy_servers_have_no_findings() -> None:
+    store, counters = TraceStore(), LiveCounters()
+    assert diagnose(store, counters, FACTS) == []
+    for i in range(8):
+        finished_trace(store, f"ok-{i}")
+    counters.record_stats(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.3))
+    assert diagnose(store, counters, FACTS) == []
+    # A symptom older than a minute is forgotten.
+    assert diagnose(store, counters, FACTS, now=time.time()) == []
+    assert diagnose(store, LiveCounters(), FACTS, now=time.time() + 120) == []
+
+
+def test_each_symptom_names_its_box() -> None:
+    cases = {
+        "scheduler": dict(queue_s=2.0, ttft_s=2.2),
+        "model_runner": dict(compiles=3),
+        "kv_cache_manager": dict(preempted=True),
+        "api_server": dict(lag_s=0.5),
+    }
+    for box, shape in cases.items():
+        store = TraceStore()
+        for i in range(4):
+            finished_trace(store, f"{box}-{i}", **shape)
+        found = diagnose(store, LiveCounters(), FACTS)
+        assert boxes(found) == [box], (box, found)
+        assert all(f["evidence"] and f["advice"] for f in found)
+    # Long prompts over many chunks: the scheduler's chunk size.
+    store = TraceStore()
+    finished_trace(store, "long", prefill_steps=6, ttft_s=3.0)
+    [f] = diagnose(store, LiveCounters(), FACTS)
+    assert f["box"] == "scheduler" and "--max-num-batched-tokens" in f["advice"]
+
+
+def test_live_counters_alone_are_evidence() -> None:
+    counters = LiveCounters()
+    counters.record_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=9, kv_cache_usage=0.99))
+    found = diagnose(TraceStore(), counters, FACTS)
+    assert boxes(found) == ["scheduler", "kv_cache_manager"]
+    eager = ServerFacts(4, 512, enforce_eager=True)
+    counters = LiveCounters()
+    counters.record_stats(SchedulerStats(step_stats={"num_compiles": 5, "compile_s": 2.0}))
+    [f] = diagnose(TraceStore(), counters, eager)
+    assert f["box"] == "model_runner" and "--enforce-eager" in f["advice"]

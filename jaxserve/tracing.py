@@ -68,6 +68,7 @@ class RequestTrace:
         self.detokenize_s = 0.0
         self.num_outputs = 0
         self.last_output: float | None = None
+        self._summary: dict[str, Any] | None = None
 
     def add(self, box: str, name: str, start: float, end: float | None = None, **attrs: Any) -> None:
         self.events.append(TraceEvent(box, name, start, start if end is None else end, attrs or None))
@@ -156,18 +157,36 @@ class RequestTrace:
         events.sort(key=lambda e: (e.start, e.end))
         return events
 
-    def summary(self, events: list[TraceEvent] | None = None) -> dict[str, Any]:
-        """Where the request's time went: per box, and the usual latencies."""
-        events = self.all_events() if events is None else events
+    def summary(self) -> dict[str, Any]:
+        """Where the request's time went: per box, and the usual latencies. Computed from the
+        recorded stamps without expanding the steps (the page asks for every request's each
+        second); a finished trace's is computed once (`freeze`)."""
+        if self._summary is not None:
+            return self._summary
         by_box: dict[str, float] = defaultdict(float)
-        for e in events:
+        for e in self.events:
             if e.attrs and "busy_s" in e.attrs:  # a span the box was only partly busy in
                 by_box[e.box] += e.attrs["busy_s"]
             elif e.name != "first_token":
                 by_box[e.box] += e.end - e.start
+        queue_s = self._queue_s()
+        by_box["engine_core"] += queue_s
+        for _, (st, _tokens, pages, computed, admitted) in self.steps:
+            by_box["scheduler"] += st.schedule_end - st.schedule_start
+            if st.dispatched:
+                by_box["model_runner"] += st.dispatched - st.schedule_end
+            if st.done:
+                by_box["model_runner"] += st.done - st.sample_s - st.device_start
+                if st.sample_s:
+                    by_box["sampler"] += st.sample_s
+            if st.update_end:
+                by_box["scheduler"] += st.update_end - st.done
+            if pages or (admitted and computed):
+                by_box["kv_cache_manager"] += 0.0
+        if self.num_outputs:
+            by_box["output_processor"] += self.detokenize_s
         steps = [s for _, s in self.steps]
         end = self.finished or time.time()
-        queued = sum(e.end - e.start for e in events if e.name == "queued")
         return {
             "status": "finished" if self.finished else "running",
             "finish_reason": ",".join(sorted(set(self.finish_reasons.values()))) or None,
@@ -176,15 +195,29 @@ class RequestTrace:
             "cached_tokens": self.num_cached_tokens,
             "e2e_s": end - self.received,
             "ttft_s": None if self.first_token is None else self.first_token - self.received,
-            "queue_s": queued,
+            "queue_s": queue_s,
             "num_steps": len(steps),
             "prefill_steps": sum(1 for s in steps if s[3] < self.num_prompt_tokens),
-            "num_preemptions": sum(1 for e in events if e.name == "preempted"),
+            "num_preemptions": sum(1 for e in self.events if e.name == "preempted"),
             "num_compiles": sum(s[0].num_compiles for s in steps),
             "time_by_box": {b: round(by_box[b], 6) for b in BOXES if b in by_box},
         }
 
+    def _queue_s(self) -> float:
+        """Time waiting for the scheduler: each queued stamp to the next admission."""
+        admitted = [e.start for e in self.events if e.name == "admitted"]
+        total = 0.0
+        for q in self.events:
+            if q.name == "queued":
+                later = [a for a in admitted if a >= q.start]
+                total += (min(later) - q.start) if later else 0.0
+        return total
+
+    def freeze(self) -> None:
+        """The request is over: keep its summary."""
+        self._summary = None
+        self._summary = self.summary()
+
     def to_dict(self) -> dict[str, Any]:
-        events = self.all_events()
-        return {"id": self.request_id, "events": [e.to_dict() for e in events],
-                "summary": self.summary(events)}
+        return {"id": self.request_id, "events": [e.to_dict() for e in self.all_events()],
+                "summary": self.summary()}

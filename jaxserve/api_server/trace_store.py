@@ -45,6 +45,7 @@ class TraceStore:
         if trace.finished is None:
             trace.finished = time.time()
             trace.add("api_server", "finished", trace.finished, reason=reason)
+        trace.freeze()
         self.finished[trace.request_id] = trace
         while len(self.finished) > self.capacity:
             self.finished.popitem(last=False)

@@ -29,9 +29,17 @@ def test_dp2_balances_and_matches_single_engine() -> None:
                 client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16,
                                           temperature=0.0)
                 for p in PROMPTS))
-            return [o.choices[0].text for o in outs]
+            return [o.choices[0].text for o in outs], [o.id for o in outs]
 
-        texts = asyncio.run(run())
+        texts, ids = asyncio.run(run())
+        # One trace store for both ranks: each trace says which engine core served it.
+        engines = set()
+        for rid in ids:
+            t = httpx.get(server.url(f"/debug/requests/{rid}"), timeout=30).json()
+            engines |= {e["engine"] for e in t["events"] if e["name"] == "sent"}
+            assert {"scheduler", "model_runner"} <= {e["box"] for e in t["events"]}
+        assert engines == {0, 1}
+        assert httpx.get(server.url("/debug/stats"), timeout=30).json()["live"]["num_steps"] > 0
         metrics = httpx.get(server.url("/metrics")).text
         routed = {m[0]: float(m[1]) for m in re.findall(
             r'jaxserve:engine_requests_routed_total\{engine="(\d)",model_name="[^"]+"\} (\S+)', metrics)}

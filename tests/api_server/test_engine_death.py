@@ -80,8 +80,18 @@ def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool, tmp_path) 
 
 
 def test_clean_stop_removes_ipc_files(tmp_path) -> None:
-    with RemoteServer(SMALL_ENGINE_ARGS, env={"TMPDIR": str(tmp_path)}):
+    # Also the server with tracing off: it serves, and /debug has nothing to show.
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--no-request-tracing"],
+                      env={"TMPDIR": str(tmp_path)}) as server:
         assert ipc_files(str(tmp_path))
+        r = server.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
+                                               max_tokens=3)
+        assert r.choices[0].text
+        assert httpx.get(server.url("/debug/requests"), timeout=10).json() == {"running": [], "finished": []}
+        assert httpx.get(server.url(f"/debug/requests/{r.id}"), timeout=10).status_code == 404
+        stats = httpx.get(server.url("/debug/stats"), timeout=10).json()
+        assert stats["tracing"] is False and stats["live"]["num_steps"] == 0
+        assert httpx.get(server.url("/debug"), timeout=10).status_code == 200
     assert not ipc_files(str(tmp_path))
 
 

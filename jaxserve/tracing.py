@@ -200,6 +200,7 @@ class RequestTrace:
             "prefill_steps": sum(1 for s in steps if s[3] < self.num_prompt_tokens),
             "num_preemptions": sum(1 for e in self.events if e.name == "preempted"),
             "num_compiles": sum(s[0].num_compiles for s in steps),
+            "compile_s": sum(s[0].compile_s for s in steps),
             "time_by_box": {b: round(by_box[b], 6) for b in BOXES if b in by_box},
         }
 

@@ -47,14 +47,21 @@ def resolve_tool_mode(request: ChatCompletionRequest, tool_call_parser: str | No
     return ToolMode("auto", parallel=parallel, parser=TOOL_PARSERS[tool_call_parser])
 
 
+# Compact JSON (one space after ':' and ','): a free-whitespace grammar lets a small model spend
+# its tokens on tabs and newlines inside the arguments.
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def tool_grammar(request: ChatCompletionRequest, mode: ToolMode) -> tuple[str, str] | None:
     """The structured output (kind, spec) that enforces "required" or a named function."""
     tools = {t.function.name: t.function.parameters for t in request.tools or ()}
     if mode.choice == "named":
-        return "json", json.dumps(tools[mode.function] or {"type": "object"})
-    if mode.choice == "required":
-        return "json", json.dumps(required_tools_schema(list(tools.items()), mode.parallel))
-    return None
+        schema = dict(tools[mode.function] or {"type": "object"})
+    elif mode.choice == "required":
+        schema = required_tools_schema(list(tools.items()), mode.parallel)
+    else:
+        return None
+    return "json", json.dumps({**schema, "x-guidance": COMPACT})
 
 
 def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:

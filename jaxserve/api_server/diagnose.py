@@ -20,6 +20,7 @@ from typing import Any
 from jaxserve.api_server.trace_store import LiveCounters, TraceStore
 
 WINDOW_S = 60.0  # findings come from requests that finished in the last minute, or live ones
+COMPILE_S = 0.5  # seconds of compiling in that minute that count as a symptom
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,20 @@ def diagnose(store: TraceStore, counters: LiveCounters, facts: ServerFacts,
             f"raise --max-num-batched-tokens (now {facts.max_num_batched_tokens}) so a prompt "
             "needs fewer chunks"))
 
-    # model_runner: compiling while serving.
-    compiled = [s for s in summaries if s["num_compiles"]]
-    if compiled or live["num_compiles"]:
+    # model_runner: compiling while serving (a first-use variant compiling in 0.1 s once is
+    # not a symptom; seconds of it in a minute are).
+    n_compiles, compile_s = counters.recent_compiles(now - WINDOW_S)
+    compiled = [s for s in summaries if s["compile_s"] > 0]
+    if compile_s >= COMPILE_S or sum(s["compile_s"] for s in compiled) >= COMPILE_S:
         findings.append(_finding(
             "decode slowed by compilation", "model_runner",
-            f"{live['num_compiles']} programs compiled while serving ({live['compile_s']:.1f} s); "
+            f"{n_compiles} programs compiled while serving in the last minute ({compile_s:.1f} s); "
             f"{len(compiled)} recent requests had a step that compiled"
             + ("; the server runs with --enforce-eager (no warm-up)" if facts.enforce_eager else ""),
             "drop --enforce-eager so every shape bucket compiles at start-up"
             if facts.enforce_eager else
-            "a shape outside the warmed-up buckets compiled: check --max-num-batched-tokens / "
+            "a program not compiled at warm-up ran (a shape outside the buckets, or a first-use "
+            "variant: grammar mask, prompt logprobs): check --max-num-batched-tokens / "
             "--max-num-seqs, and keep the persistent compilation cache"))
 
     # kv_cache_manager: preemptions or a full cache.

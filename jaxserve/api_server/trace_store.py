@@ -86,12 +86,25 @@ class LiveCounters:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self._tokens: deque[tuple[float, int]] = deque()
+        # Compiles as they happened: (Unix time, programs, seconds), from the engines' totals.
+        self._compiles: deque[tuple[float, int, float]] = deque(maxlen=1024)
+        self._compile_totals: dict[int, tuple[int, float]] = {}
 
     def record_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
         self.stats[engine_index] = stats
         self.prefix_queries += stats.prefix_cache_stats.queries
         self.prefix_hits += stats.prefix_cache_stats.hits
         self.num_preemptions += stats.num_preemptions
+        n, s = stats.step_stats.get("num_compiles", 0), stats.step_stats.get("compile_s", 0.0)
+        n0, s0 = self._compile_totals.get(engine_index, (0, 0.0))
+        if n > n0:
+            self._compiles.append((time.time(), int(n - n0), s - s0))
+            self._compile_totals[engine_index] = (n, s)
+
+    def recent_compiles(self, since: float) -> tuple[int, float]:
+        """Programs compiled while serving since `since` (Unix seconds), and their seconds."""
+        recent = [(n, s) for t, n, s in self._compiles if t >= since]
+        return sum(n for n, _ in recent), sum(s for _, s in recent)
 
     def record_tokens(self, n: int, now: float | None = None) -> None:
         if n:

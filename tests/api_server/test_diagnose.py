@@ -24,7 +24,8 @@ def finished_trace(store: TraceStore, rid: str, *, queue_s: float = 0.0, ttft_s:
     t.add("engine_core", "queued", t0, t0)
     t.add("scheduler", "admitted", t0 + queue_s)
     for k in range(prefill_steps):
-        st = StepTrace(k + 1, t0 + queue_s, t0 + queue_s, 1, 64, num_compiles=compiles)
+        st = StepTrace(k + 1, t0 + queue_s, t0 + queue_s, 1, 64, num_compiles=compiles,
+                       compile_s=0.4 * compiles)
         t.add_steps([(st, 64, 4, 64 * k, k == 0)])
     if preempted:
         t.add("kv_cache_manager", "preempted", t0 + ttft_s)
@@ -82,3 +83,8 @@ def test_live_counters_alone_are_evidence() -> None:
     counters.record_stats(SchedulerStats(step_stats={"num_compiles": 5, "compile_s": 2.0}))
     [f] = diagnose(TraceStore(), counters, eager)
     assert f["box"] == "model_runner" and "--enforce-eager" in f["advice"]
+    assert diagnose(TraceStore(), counters, eager, now=time.time() + 120) == []  # a minute later
+    # One quick first-use compile (a grammar's masked sampler, ~0.1 s) is not a symptom.
+    counters = LiveCounters()
+    counters.record_stats(SchedulerStats(step_stats={"num_compiles": 1, "compile_s": 0.1}))
+    assert diagnose(TraceStore(), counters, FACTS) == []

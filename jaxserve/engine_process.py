@@ -191,13 +191,23 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
         logger.error("engine core died:\n%s", traceback.format_exc())
         output_socket.send(encode(EngineCoreMessageType.ENGINE_ERROR, f"{type(e).__name__}: {e}"))
         output_socket.close()
+        _release_followers(built)
         sys.exit(1)
-    stop = getattr(built.core.worker, "shutdown", None)
-    if stop is not None:
-        stop()  # multi-host: release the processes following this one
+    _release_followers(built)
     input_socket.close(linger=0)
     output_socket.close(linger=0)
     ctx.term()
+
+
+def _release_followers(built: Any) -> None:
+    """Multi-host: tell the processes following this one to stop (best effort on the way out:
+    if they are stuck in a collective, nothing can reach them)."""
+    stop = getattr(built.core.worker, "shutdown", None)
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            logger.exception("could not release the follower processes")
 
 
 def select_rank_devices(dp_rank: int, dp_size: int) -> None:

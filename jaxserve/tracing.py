@@ -46,6 +46,11 @@ class TraceEvent:
         return d
 
 
+def _seq(e: TraceEvent) -> int:
+    """The sequence (of an n > 1 request) an event belongs to."""
+    return e.attrs.get("seq", 0) if e.attrs else 0
+
+
 def unix_time(monotonic_ts: float) -> float:
     """A time.monotonic() stamp (any process on this machine) as Unix seconds."""
     return monotonic_ts + (time.time() - time.monotonic())
@@ -109,19 +114,16 @@ class RequestTrace:
         """Every event, steps expanded, in time order."""
         # Copies: reading must not change what was recorded.
         events = [TraceEvent(e.box, e.name, e.start, e.end, e.attrs) for e in self.events]
-        queued = [e for e in events if e.name == "queued"]
-        admitted = [e for e in events if e.name == "admitted"]
-        for q in queued:
-            # The wait for the scheduler: from entering the queue to the next admission.
-            later = [a.start for a in admitted if a.start >= q.start]
-            if later:
-                q.end = min(later)
-        resumed = False
+        for q, end in self._queue_spans(events):
+            q.end = end
+        preempted: set[int] = set()  # sequences (n > 1) waiting to be resumed
         for e in sorted(events, key=lambda e: e.start):
+            seq = _seq(e)
             if e.name == "preempted":
-                resumed = True
-            elif e.name == "admitted" and resumed:
-                e.name, resumed = "resumed", False
+                preempted.add(seq)
+            elif e.name == "admitted" and seq in preempted:
+                e.name = "resumed"
+                preempted.discard(seq)
         for seq, (st, tokens, pages, computed, admitted) in self.steps:
             a = {"step": st.step, "seq": seq} if seq else {"step": st.step}
             kind = ("prefill" if computed < self.num_prompt_tokens
@@ -204,15 +206,21 @@ class RequestTrace:
             "time_by_box": {b: round(by_box[b], 6) for b in BOXES if b in by_box},
         }
 
-    def _queue_s(self) -> float:
-        """Time waiting for the scheduler: each queued stamp to the next admission."""
-        admitted = [e.start for e in self.events if e.name == "admitted"]
-        total = 0.0
-        for q in self.events:
+    @staticmethod
+    def _queue_spans(events: list[TraceEvent]) -> list[tuple[TraceEvent, float]]:
+        """Each queued stamp with the end of its wait: its sequence's next admission."""
+        spans = []
+        for q in events:
             if q.name == "queued":
-                later = [a for a in admitted if a >= q.start]
-                total += (min(later) - q.start) if later else 0.0
-        return total
+                later = [a.start for a in events if a.name == "admitted" and _seq(a) == _seq(q)
+                         and a.start >= q.start]
+                if later:
+                    spans.append((q, min(later)))
+        return spans
+
+    def _queue_s(self) -> float:
+        """Time waiting for the scheduler: the longest wait of the request's sequences."""
+        return max((end - q.start for q, end in self._queue_spans(self.events)), default=0.0)
 
     def freeze(self) -> None:
         """The request is over: keep its summary."""

@@ -84,8 +84,8 @@ class ChatOutputParser:
         if self.tool_parser is None:
             return len(content), []
         parsed = self.tool_parser.parse(content, finished)
-        if (finished and parsed.in_calls and not self.sent_calls
-                and not any(c.complete for c in parsed.calls) and self.mode.choice == "auto"):
+        if (finished and parsed.in_calls and self.mode.choice == "auto"
+                and not any(c.name is not None for c in parsed.calls)):
             return len(content), []  # it looked like a call but was not one: it is content
         return parsed.content_end, parsed.calls
 

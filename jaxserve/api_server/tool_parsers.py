@@ -77,8 +77,10 @@ class ToolParser:
             try:
                 obj, end = _DECODER.raw_decode(text, pos)
             except json.JSONDecodeError:
+                # Still being written, or (finished) cut off or malformed: a call with a name
+                # is kept either way, so a stream and a whole reply read the same text alike.
                 partial = self._partial_call(text, pos)
-                if partial is not None and not finished:
+                if partial is not None:
                     calls.append(partial)
                 break
             call = self._complete_call(text, pos, obj)

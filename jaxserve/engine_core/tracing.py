@@ -118,9 +118,12 @@ class StepTracer:
         for out in outputs:
             entries = pending.pop(out.req_id, None)
             if entries and entries[-1][0].step > st.step:
-                # Async scheduling: a later step is already in flight; its entry waits.
-                pending[out.req_id] = [e for e in entries if e[0].step > st.step]
+                later = [e for e in entries if e[0].step > st.step]
                 entries = [e for e in entries if e[0].step <= st.step]
+                if out.finish_reason is None:
+                    # Async scheduling: a later step is already in flight; its entry waits.
+                    # A finished request's in-flight step yields no output: forget it.
+                    pending[out.req_id] = later
             out.trace_steps = entries or None
 
     def drop(self, req_ids: Any) -> None:

@@ -141,3 +141,20 @@ def test_reasoning_then_tool_call() -> None:
     text = '<think>I need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
     w = check_stream_matches(auto("hermes"), text, "qwen3")
     assert w["reasoning"] == "I need the weather." and w["calls"] == [("get_weather", WEATHER)]
+
+
+def test_cut_off_or_malformed_calls_read_the_same_streamed_and_whole() -> None:
+    for mode, text in ((auto("hermes"), '<tool_call>\n{"name": "f", "arguments": {"city": "Par'),
+                       (auto("hermes"), '<tool_call>{"name": "f", "arguments": {"a": 1.5e}}</tool_call>'),
+                       (ToolMode("required"), '[{"name": "get_weather", "parameters": {"city": "Pa')):
+        m = response_message(ChatOutputParser(mode), text)
+        whole_calls = [(c.function.name, c.function.arguments) for c in m.tool_calls]
+        assert whole_calls and m.content is None
+        for step in (1, 4):
+            s = streamed(mode, text, step=step)
+            assert [(c["name"], c["arguments"]) for c in s["calls"]] == whole_calls
+            assert s["content"] == ""
+    # Nothing with a name: content, both ways.
+    text = '<tool_call>{"nam'
+    assert response_message(ChatOutputParser(auto("hermes")), text).content == text
+    assert streamed(auto("hermes"), text)["content"] == text

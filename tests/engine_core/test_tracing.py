@@ -113,3 +113,29 @@ def test_tracing_off_records_nothing_but_counts_steps() -> None:
     traces = traced_run(core, [make_request("x", 20, max_tokens=3)], False)
     assert traces["x"].steps == [] and core.tracer.pending == {}
     assert core.get_stats().step_stats["num_steps"] == 0
+
+
+def test_requests_ending_with_a_step_in_flight_leave_nothing_behind() -> None:
+    # EOS ends requests while the next step (async) is already dispatched: that step gives
+    # them no output, and its entries must not stay behind in the tracer.
+    sched = make_scheduler(async_scheduling=True, num_blocks=64)
+    core = EngineCore(sched, FakeAsyncWorker(64, BS, eos_token_id=EOS, eos_prob=0.3))
+    reqs = [make_request(f"e{i}", 5 + i, max_tokens=40) for i in range(8)]
+    traces = traced_run(core, reqs, use_batch_queue=True)
+    assert any(t.finish_reasons[0] == "stop" for t in traces.values())
+    assert core.tracer.pending == {}
+
+
+def test_queue_time_pairs_each_sequence_with_its_own_admission() -> None:
+    from jaxserve.tracing import RequestTrace
+
+    t = RequestTrace("r", received=100.0)
+    t.add("engine_core", "queued", 100.0)
+    t.add("engine_core", "queued", 100.0, seq=1)
+    t.add("scheduler", "admitted", 100.002)
+    t.add("scheduler", "admitted", 103.0, seq=1)
+    t.add("kv_cache_manager", "preempted", 104.0, seq=1)
+    t.add("scheduler", "admitted", 105.0, seq=1)
+    assert abs(t.summary()["queue_s"] - 3.0) < 1e-9  # the longest wait, not the sum or seq 0's
+    names = [(e.name, e.attrs) for e in t.all_events() if e.box == "scheduler"]
+    assert names == [("admitted", None), ("admitted", {"seq": 1}), ("resumed", {"seq": 1})]

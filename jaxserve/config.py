@@ -7,10 +7,9 @@ This module never imports JAX (the engine core and API server read it).
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass
 
 

@@ -107,8 +107,7 @@ def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
 
 
 # generation_config.json keys that are request defaults, as vLLM reads them ("auto").
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                        "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_defaults(source: ModelFiles | str) -> dict[str, float | int]:
@@ -124,5 +123,5 @@ def generation_defaults(source: ModelFiles | str) -> dict[str, float | int]:
         cfg = json.load(f)
     if cfg.get("do_sample") is False:
         return {"temperature": 0.0}  # greedy is this model's own default
-    return {ours: cfg[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
-            if isinstance(cfg.get(theirs), int | float) and not isinstance(cfg.get(theirs), bool)}
+    return {k: cfg[k] for k in _GENERATION_DEFAULTS
+            if isinstance(cfg.get(k), int | float) and not isinstance(cfg.get(k), bool)}

@@ -34,7 +34,7 @@ def add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/debug/stats")
     async def debug_stats() -> dict[str, Any]:
-        live = ctx.counters.snapshot()
+        live = ctx.metrics.live()
         return {"model": ctx.model_name, "tracing": ctx.traces.enabled,
                 "max_num_seqs": ctx.facts.max_num_seqs,
                 "max_num_batched_tokens": ctx.facts.max_num_batched_tokens,
@@ -67,7 +67,7 @@ def add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/debug/diagnose")
     async def debug_diagnose() -> dict[str, Any]:
-        return {"findings": diagnose(ctx.traces, ctx.counters, ctx.facts)}
+        return {"findings": diagnose(ctx.traces, ctx.metrics, ctx.facts)}
 
 
 def boxes(live: dict[str, Any]) -> dict[str, dict[str, Any]]:

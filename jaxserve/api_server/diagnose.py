@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.api_server.trace_store import TraceStore
 
 WINDOW_S = 60.0  # findings come from requests that finished in the last minute, or live ones
 COMPILE_S = 0.5  # seconds of compiling in that minute that count as a symptom
@@ -37,12 +38,12 @@ def _finding(symptom: str, box: str, evidence: str, advice: str) -> dict[str, st
     return {"symptom": symptom, "box": box, "evidence": evidence, "advice": advice}
 
 
-def diagnose(store: TraceStore, counters: LiveCounters, facts: ServerFacts,
+def diagnose(store: TraceStore, metrics: ServerMetrics, facts: ServerFacts,
              now: float | None = None) -> list[dict[str, str]]:
     now = time.time() if now is None else now
     traces = store.recent(now - WINDOW_S) + list(store.running.values())
     summaries = [t.summary() for t in traces]
-    live = counters.snapshot()
+    live = metrics.live()
     findings = []
 
     # scheduler: time to first token spent waiting for a slot.
@@ -74,7 +75,7 @@ def diagnose(store: TraceStore, counters: LiveCounters, facts: ServerFacts,
     # model_runner: compiling while serving (a first-use variant compiling in 0.1 s once is
     # not a symptom; seconds of it in a minute are).
     # (The engines' own compile deltas: a step's compile shows in every trace of its batch.)
-    n_compiles, compile_s = counters.recent_compiles(now - WINDOW_S)
+    n_compiles, compile_s = metrics.recent_compiles(now - WINDOW_S)
     compiled = [s for s in summaries if s["compile_s"] > 0]
     if compile_s >= COMPILE_S:
         findings.append(_finding(

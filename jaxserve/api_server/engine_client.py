@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from jaxserve.api_server.metrics import RequestStateStats, ServerMetrics
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.outputs import EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.tracing import StepTrace
@@ -62,13 +62,11 @@ class EngineClient:
 
     def __init__(self, tokenizer: Any, process: multiprocessing.process.BaseProcess,
                  input_address: str, output_address: str, metrics: ServerMetrics | None = None,
-                 engine_index: int = 0, traces: TraceStore | None = None,
-                 counters: LiveCounters | None = None) -> None:
+                 engine_index: int = 0, traces: TraceStore | None = None) -> None:
         self.process = process
         self.engine_index = engine_index  # data-parallel rank
         self.metrics = metrics
         self.traces = traces or TraceStore(enabled=False)
-        self.counters = counters or LiveCounters()
         self.output_processor = OutputProcessor(tokenizer, self.traces.enabled)
         self._sync_ctx = zmq.Context()
         # Input: a plain socket, so that abort() can send synchronously from a
@@ -293,7 +291,6 @@ class EngineClient:
         steps = {int(k): StepTrace.from_list(v) for k, v in (payload.get("steps") or {}).items()}
         outputs = [EngineCoreOutput.from_dict(d, steps) for d in payload["outputs"]]
         now = time.monotonic()
-        self.counters.record_tokens(sum(len(o.new_token_ids) for o in outputs), now)
         if self.metrics is not None:
             for out in outputs:
                 s = self._req_stats.get(out.req_id)
@@ -313,11 +310,8 @@ class EngineClient:
                 queue.put_nowait(r)
             if r.finished:
                 self._queues.pop(r.request_id, None)
-        if payload.get("stats") is not None:
-            stats = SchedulerStats.from_dict(payload["stats"])
-            self.counters.record_stats(stats, self.engine_index)
-            if self.metrics is not None:
-                self.metrics.record_scheduler_stats(stats, self.engine_index)
+        if payload.get("stats") is not None and self.metrics is not None:
+            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]), self.engine_index)
 
     def _finish_child(self, cid: str, reason: str, now: float | None = None) -> None:
         self._children.pop(cid, None)
@@ -345,9 +339,7 @@ class EngineClient:
             return
         self.dead_error = reason
         logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(reason))
-        self._queues.clear()
+        self.fail_in_flight(reason)
         for fut in self._utility_calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))

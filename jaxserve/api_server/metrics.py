@@ -16,7 +16,9 @@ server's share CLOCK_MONOTONIC, so they can be subtracted.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -65,9 +67,15 @@ class ServerMetrics:
         r, labels = self.registry, ["model_name"]
         self._model_name = model_name
         self._engine_stats: dict[int, SchedulerStats] = {}  # latest, per data-parallel rank
-        # Plain running totals beside the Prometheus counters, for the periodic log line.
+        # Plain running totals beside the Prometheus counters, for the periodic log line and
+        # /debug's live counters (prometheus_client has no public read API).
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0,
-                       "prefix_hits": 0}
+                       "prefix_hits": 0, "preemptions": 0}
+        # For /debug: generated tokens as they came (monotonic time, count), and compiles as
+        # they happened (Unix time, programs, seconds) from the engines' running totals.
+        self._token_times: deque[tuple[float, int]] = deque()
+        self._compiles: deque[tuple[float, int, float]] = deque(maxlen=1024)
+        self._compile_totals: dict[int, tuple[int, float]] = {}
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
@@ -128,6 +136,12 @@ class ServerMetrics:
         self.totals["prefix_queries"] += stats.prefix_cache_stats.queries
         self.totals["prefix_hits"] += stats.prefix_cache_stats.hits
         self.num_preemptions.inc(stats.num_preemptions)
+        self.totals["preemptions"] += stats.num_preemptions
+        n, secs = stats.step_stats.get("num_compiles", 0), stats.step_stats.get("compile_s", 0.0)
+        n0, s0 = self._compile_totals.get(engine_index, (0, 0.0))
+        if n > n0:
+            self._compiles.append((time.time(), int(n - n0), secs - s0))
+            self._compile_totals[engine_index] = (n, secs)
 
     def record_output(self, s: RequestStateStats, out: EngineCoreOutput, now: float) -> None:
         """One engine output of the request whose stats are `s`."""
@@ -145,6 +159,7 @@ class ServerMetrics:
             return
         self.generation_tokens.inc(n)
         self.totals["generation_tokens"] += n
+        self._token_times.append((now, n))
         if s.num_generation_tokens == 0:
             self.prompt_tokens.inc(s.num_prompt_tokens)
             self.totals["prompt_tokens"] += s.num_prompt_tokens
@@ -181,6 +196,36 @@ class ServerMetrics:
             return 0, 0, 0.0
         return (sum(s.num_running_reqs for s in latest), sum(s.num_waiting_reqs for s in latest),
                 sum(s.kv_cache_usage for s in latest) / len(latest))
+
+    def recent_compiles(self, since: float) -> tuple[int, float]:
+        """Programs compiled while serving since `since` (Unix seconds), and their seconds."""
+        recent = [(n, s) for t, n, s in self._compiles if t >= since]
+        return sum(n for n, _ in recent), sum(s for _, s in recent)
+
+    def tokens_per_s(self, window_s: float = 10.0, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._token_times and self._token_times[0][0] < now - window_s:
+            self._token_times.popleft()
+        return sum(n for _, n in self._token_times) / window_s
+
+    def live(self) -> dict[str, Any]:
+        """/debug's live counters: the engines' latest stats (summed over data-parallel ranks;
+        KV usage and step figures averaged), prefix-hit rate, preemptions, tokens/s."""
+        running, waiting, usage = self.running_waiting_usage()
+        steps = [s.step_stats for s in self._engine_stats.values() if s.step_stats]
+        k = max(len(steps), 1)
+        queries, hits = self.totals["prefix_queries"], self.totals["prefix_hits"]
+        return {
+            "waiting": waiting, "running": running, "kv_cache_usage": usage,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "num_preemptions": self.totals["preemptions"],
+            "num_steps": sum(x.get("num_steps", 0) for x in steps),
+            "step_time_s": sum(x.get("step_time_s", 0.0) for x in steps) / k,
+            "batch_size": sum(x.get("batch_size", 0.0) for x in steps) / k,
+            "num_compiles": sum(x.get("num_compiles", 0) for x in steps),
+            "compile_s": sum(x.get("compile_s", 0.0) for x in steps),
+            "tokens_per_s": self.tokens_per_s(),
+        }
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

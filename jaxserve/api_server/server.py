@@ -24,7 +24,7 @@ from jaxserve.api_server.dp_client import DPEngineClient
 from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.api_server.serving import ServingContext
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.config import EngineConfig
 from jaxserve.engine_messages import new_ipc_addresses
 from jaxserve.engine_process import launch_engine_core
@@ -58,14 +58,13 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
 
         exporter = OtlpTraceExporter(args.otlp_traces_endpoint, names[0])
     traces = TraceStore(enabled=config.request_tracing, exporter=exporter)
-    counters = LiveCounters()
     log_level = logging.getLogger().getEffectiveLevel()
     clients = []
     for rank in range(config.parallel_config.data_parallel_size):
         input_address, output_address = new_ipc_addresses()
         process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
         clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics,
-                                    rank, traces, counters))
+                                    rank, traces))
         logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
     client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
     try:
@@ -92,7 +91,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                          default_sampling=defaults, max_logprobs=args.max_logprobs,
                          tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         reasoning_parser=args.reasoning_parser, traces=traces, counters=counters,
+                         reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,
                          facts=ServerFacts(ready.max_num_seqs,
                                            config.scheduler_config.max_num_batched_tokens,
                                            config.enforce_eager,

@@ -33,7 +33,8 @@ from jaxserve.api_server.protocol import (
     LogprobInfo,
     SamplingRequestFields,
 )
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -132,9 +133,10 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
-    # /debug: request traces, live counters, the flags diagnose's advice names.
+    # /debug: request traces, the metrics behind its live counters, the flags diagnose's
+    # advice names.
     traces: TraceStore = field(default_factory=lambda: TraceStore(enabled=False))
-    counters: LiveCounters = field(default_factory=LiveCounters)
+    metrics: ServerMetrics = field(default_factory=lambda: ServerMetrics("unnamed"))
     facts: ServerFacts = field(default_factory=lambda: ServerFacts(0, 0))
     # Tokenizing and rendering templates run here, off the event loop: a large request must
     # not stall /health or other clients' streams.

@@ -1,18 +1,14 @@
-"""The API server's request traces and live counters, for /debug (the map, live).
-
-`TraceStore` holds the traces of running requests and a ring of recently finished ones
-(bounded: `capacity` requests). `LiveCounters` keeps the engine cores' latest scheduler
-stats and a token rate, the numbers /debug draws on each box.
-"""
+"""The API server's request traces, for /debug (the map, live): `TraceStore` holds the
+traces of running requests and a ring of recently finished ones (bounded: `capacity`
+requests). The live counters /debug draws come from ServerMetrics.live()."""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.tracing import RequestTrace
 
 DEFAULT_CAPACITY = 256
@@ -74,62 +70,3 @@ class TraceStore:
                                   "e2e_s", "ttft_s", "queue_s", "num_steps")}}
         return {"running": [row(t) for t in self.running.values()],
                 "finished": [row(t) for t in reversed(self.finished.values())]}
-
-
-class LiveCounters:
-    """The engine cores' latest stats, summed over data-parallel ranks, and tokens/s."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self.stats: dict[int, SchedulerStats] = {}
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.num_preemptions = 0
-        self._tokens: deque[tuple[float, int]] = deque()
-        # Compiles as they happened: (Unix time, programs, seconds), from the engines' totals.
-        self._compiles: deque[tuple[float, int, float]] = deque(maxlen=1024)
-        self._compile_totals: dict[int, tuple[int, float]] = {}
-
-    def record_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
-        self.stats[engine_index] = stats
-        self.prefix_queries += stats.prefix_cache_stats.queries
-        self.prefix_hits += stats.prefix_cache_stats.hits
-        self.num_preemptions += stats.num_preemptions
-        n, s = stats.step_stats.get("num_compiles", 0), stats.step_stats.get("compile_s", 0.0)
-        n0, s0 = self._compile_totals.get(engine_index, (0, 0.0))
-        if n > n0:
-            self._compiles.append((time.time(), int(n - n0), s - s0))
-            self._compile_totals[engine_index] = (n, s)
-
-    def recent_compiles(self, since: float) -> tuple[int, float]:
-        """Programs compiled while serving since `since` (Unix seconds), and their seconds."""
-        recent = [(n, s) for t, n, s in self._compiles if t >= since]
-        return sum(n for n, _ in recent), sum(s for _, s in recent)
-
-    def record_tokens(self, n: int, now: float | None = None) -> None:
-        if n:
-            self._tokens.append((time.monotonic() if now is None else now, n))
-
-    def tokens_per_s(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        while self._tokens and self._tokens[0][0] < now - self.window_s:
-            self._tokens.popleft()
-        return sum(n for _, n in self._tokens) / self.window_s
-
-    def snapshot(self) -> dict[str, Any]:
-        s = list(self.stats.values())
-        steps = [x.step_stats for x in s if x.step_stats]
-        n = max(len(steps), 1)
-        return {
-            "waiting": sum(x.num_waiting_reqs for x in s),
-            "running": sum(x.num_running_reqs for x in s),
-            "kv_cache_usage": max((x.kv_cache_usage for x in s), default=0.0),
-            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
-            "num_preemptions": self.num_preemptions,
-            "num_steps": sum(x.get("num_steps", 0) for x in steps),
-            "step_time_s": sum(x.get("step_time_s", 0.0) for x in steps) / n,
-            "batch_size": sum(x.get("batch_size", 0.0) for x in steps) / n,
-            "num_compiles": sum(x.get("num_compiles", 0) for x in steps),
-            "compile_s": sum(x.get("compile_s", 0.0) for x in steps),
-            "tokens_per_s": self.tokens_per_s(),
-        }

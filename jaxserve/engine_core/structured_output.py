@@ -29,8 +29,9 @@ KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
          "choice": "choice", "grammar": "grammar"}
 
 
-def grammar_text(kind: str, spec: str) -> str:
-    """The llguidance grammar of a (kind, spec) pair; raises ValueError if it is invalid."""
+def grammar_text(kind: str, spec: str, validate: bool = True) -> str:
+    """The llguidance grammar of a (kind, spec) pair; raises ValueError if it is invalid
+    (`validate=False`: only if it cannot be read; the matcher built from it reports the rest)."""
     import llguidance
 
     if kind not in KINDS:
@@ -41,7 +42,7 @@ def grammar_text(kind: str, spec: str) -> str:
         grammar = llguidance.grammar_from(KINDS[kind], spec)
     except (ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"invalid {kind}: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar) if validate else None
     if error:
         raise ValueError(f"invalid {kind}: {error.strip().splitlines()[0]}")
     return grammar
@@ -76,7 +77,8 @@ class StructuredOutputManager:
             raise InvalidRequestError("structured outputs are not available in this engine")
         kind, spec = request.sampling_params.structured_outputs
         try:
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec))
+            # Not validated first: the matcher compiles the grammar anyway and says if it fails.
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec, validate=False))
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         if matcher.is_error():

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class CompileMonitor:
-    """Process-wide counts of JAX program builds (JAX's listeners cannot be removed, so
-    one is registered per process, on first use)."""
+    """Process-wide counts of JAX program builds: one listener per process, registered on
+    first use (JAX's listeners are process-wide too)."""
 
     count = 0
     seconds = 0.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from jaxserve.api_server.diagnose import ServerFacts, diagnose
-from jaxserve.api_server.trace_store import LiveCounters, TraceStore
+from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.tracing import StepTrace
 from jaxserve.tracing import RequestTrace
@@ -41,15 +42,15 @@ def boxes(findings: list[dict]) -> list[str]:
 
 
 def test_idle_and_healthy_servers_have_no_findings() -> None:
-    store, counters = TraceStore(), LiveCounters()
+    store, counters = TraceStore(), ServerMetrics("m")
     assert diagnose(store, counters, FACTS) == []
     for i in range(8):
         finished_trace(store, f"ok-{i}")
-    counters.record_stats(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.3))
+    counters.record_scheduler_stats(SchedulerStats(num_running_reqs=2, kv_cache_usage=0.3))
     assert diagnose(store, counters, FACTS) == []
     # A symptom older than a minute is forgotten.
     assert diagnose(store, counters, FACTS, now=time.time()) == []
-    assert diagnose(store, LiveCounters(), FACTS, now=time.time() + 120) == []
+    assert diagnose(store, ServerMetrics("m"), FACTS, now=time.time() + 120) == []
 
 
 def test_each_symptom_names_its_box() -> None:
@@ -60,33 +61,33 @@ def test_each_symptom_names_its_box() -> None:
         "api_server": dict(lag_s=0.5),
     }
     for box, shape in cases.items():
-        store, counters = TraceStore(), LiveCounters()
+        store, counters = TraceStore(), ServerMetrics("m")
         for i in range(4):
             finished_trace(store, f"{box}-{i}", **shape)
         if box == "model_runner":  # the engines report what compiled (traces repeat it per request)
-            counters.record_stats(SchedulerStats(step_stats={"num_compiles": 3, "compile_s": 1.2}))
+            counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 3, "compile_s": 1.2}))
         found = diagnose(store, counters, FACTS)
         assert boxes(found) == [box], (box, found)
         assert all(f["evidence"] and f["advice"] for f in found)
     # Long prompts over many chunks: the scheduler's chunk size.
     store = TraceStore()
     finished_trace(store, "long", prefill_steps=6, ttft_s=3.0)
-    [f] = diagnose(store, LiveCounters(), FACTS)
+    [f] = diagnose(store, ServerMetrics("m"), FACTS)
     assert f["box"] == "scheduler" and "--max-num-batched-tokens" in f["advice"]
 
 
 def test_live_counters_alone_are_evidence() -> None:
-    counters = LiveCounters()
-    counters.record_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=9, kv_cache_usage=0.99))
+    counters = ServerMetrics("m")
+    counters.record_scheduler_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=9, kv_cache_usage=0.99))
     found = diagnose(TraceStore(), counters, FACTS)
     assert boxes(found) == ["scheduler", "kv_cache_manager"]
     eager = ServerFacts(4, 512, enforce_eager=True)
-    counters = LiveCounters()
-    counters.record_stats(SchedulerStats(step_stats={"num_compiles": 5, "compile_s": 2.0}))
+    counters = ServerMetrics("m")
+    counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 5, "compile_s": 2.0}))
     [f] = diagnose(TraceStore(), counters, eager)
     assert f["box"] == "model_runner" and "--enforce-eager" in f["advice"]
     assert diagnose(TraceStore(), counters, eager, now=time.time() + 120) == []  # a minute later
     # One quick first-use compile (a grammar's masked sampler, ~0.1 s) is not a symptom.
-    counters = LiveCounters()
-    counters.record_stats(SchedulerStats(step_stats={"num_compiles": 1, "compile_s": 0.1}))
+    counters = ServerMetrics("m")
+    counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 1, "compile_s": 0.1}))
     assert diagnose(TraceStore(), counters, FACTS) == []

@@ -143,6 +143,55 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`); only method "ngram" (prompt
+    lookup): the longest suffix of the request's tokens, `prompt_lookup_max` (default 5) down
+    to `prompt_lookup_min` (default 2) long, that occurred before proposes the
+    `num_speculative_tokens` tokens that followed it.
+    `disable_by_batch_size`: no proposals while more requests than this run (verifying
+    drafts costs compute a full batch no longer has spare); None = never."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be >= 1, "
+                             f"got {self.num_speculative_tokens}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if hi is None:
+            hi = max(lo or 0, 5)
+        if lo is None:
+            lo = min(2, hi)
+        if not 1 <= lo <= hi:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {lo} and {hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        b = self.disable_by_batch_size
+        if b is not None and b < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {b}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """From `--speculative-config` JSON / `LLM(speculative_config={...})`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be an object, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, one section per box."""
 
@@ -157,6 +206,7 @@ class EngineConfig:
     attention_interpret: bool = False
     # Per-request traces box by box (jaxserve.tracing); cheap enough to leave on.
     request_tracing: bool = True
+    speculative_config: SpeculativeConfig | None = None
 
 
 def make_engine_config(
@@ -186,9 +236,16 @@ def make_engine_config(
     distributed_num_processes: int | None = None,
     distributed_process_id: int | None = None,
     request_tracing: bool = True,
+    speculative_config: dict | SpeculativeConfig | None = None,
 ) -> EngineConfig:
     """vLLM's engine arguments -> a validated EngineConfig (every process of a
     multi-host engine builds the same one)."""
+    if isinstance(speculative_config, dict):
+        speculative_config = SpeculativeConfig.from_dict(speculative_config)
+    if speculative_config is not None:
+        # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
+        # speculation without async scheduling too).
+        async_scheduling = False
     return EngineConfig(
         model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                  served_model_name=served_model_name, tokenizer=tokenizer),
@@ -218,4 +275,5 @@ def make_engine_config(
         attention_backend=attention_backend,
         attention_interpret=attention_interpret,
         request_tracing=request_tracing,
+        speculative_config=speculative_config,
     )

@@ -66,7 +66,8 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).
     tokenizer = config.model_config.tokenizer or config.model_config.model
     structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer), worker.arch.vocab_size)
-    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured)
+    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured,
+                          config.speculative_config)
     # Async scheduling keeps one step in flight while the next is prepared; with
     # pipeline stages, one per stage so that the stages overlap.
     batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1

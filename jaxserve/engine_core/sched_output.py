@@ -20,7 +20,7 @@ A step with total_num_scheduled_tokens == 0 only carries ids to drop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import SamplingParams
@@ -91,6 +91,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]  # the worker drops them; they come back later as NewRequestData
     # Structured outputs: req_id -> int32[ceil(vocab / 32)], the tokens its grammar allows now.
     grammar_bitmask: dict[str, Any] | None = None
+    # Speculative decoding: req_id -> draft tokens, scheduled after the request's next
+    # input token (num_scheduled_tokens counts them); the worker verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

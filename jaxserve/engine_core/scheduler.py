@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
@@ -35,6 +35,7 @@ from jaxserve.engine_core.request import InvalidRequestError, Request, RequestSt
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_new_request, check_stop
+from jaxserve.engine_core.spec_decode import NgramProposer, SpecDecodingStats, can_speculate
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 
@@ -53,6 +54,7 @@ class Scheduler:
         num_blocks: int,
         eos_token_id: int | None = None,
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output = structured_output or StructuredOutputManager()
@@ -85,6 +87,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since the previous make_stats()
         self.total_num_preemptions = 0
+        spec = speculative_config
+        if spec is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling=False")
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_batch_limit = (spec and spec.disable_by_batch_size) or self.max_num_running_reqs
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
+        self._spec_tokens: dict[str, list[int]] = {}  # this step's drafts
 
     # --- requests in and out ------------------------------------------------
 
@@ -149,6 +158,7 @@ class Scheduler:
         scheduled_running_reqs: list[Request] = []
         scheduled_new_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
+        self._spec_tokens = {}
 
         token_budget = self._schedule_running(
             self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
@@ -176,6 +186,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted_reqs},
             grammar_bitmask=self.structured_output.step_bitmasks(num_scheduled_tokens),
+            scheduled_spec_decode_tokens=self._spec_tokens,
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
@@ -219,6 +230,10 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            drafts = None
+            if num_new_tokens == 1 and self.proposer is not None:
+                drafts = self._propose_drafts(request, token_budget - 1)
+                num_new_tokens += len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -232,6 +247,7 @@ class Scheduler:
                         scheduled_running_reqs.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.req_id)
                         del req_to_new_blocks[victim.req_id]
+                        self._spec_tokens.pop(victim.req_id, None)
                 self._preempt_request(victim, now)
                 preempted_reqs.append(victim)
                 if victim is request:
@@ -241,9 +257,21 @@ class Scheduler:
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.req_id] = new_blocks
             num_scheduled_tokens[request.req_id] = num_new_tokens
+            if drafts:
+                self._spec_tokens[request.req_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
         return token_budget
+
+    def _propose_drafts(self, request: Request, max_drafts: int) -> list[int]:
+        """N-gram drafts for a decoding request, within the step's budget, the context
+        and max_tokens (the step samples one token beyond the drafts)."""
+        if len(self.running) > self.spec_batch_limit or not can_speculate(request.sampling_params):
+            return []
+        max_drafts = min(max_drafts, self.max_model_len - 1 - request.num_tokens,
+                         request.max_tokens - request.num_output_tokens - 1)
+        assert self.proposer is not None
+        return self.proposer.propose(request.all_token_ids, max_drafts)
 
     def _schedule_waiting(
         self,
@@ -359,6 +387,11 @@ class Scheduler:
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue  # partial prefill: nothing sampled
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # Rejected drafts' KV is overwritten by the next steps.
+                request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                self.spec_stats.observe(len(drafts), len(new_token_ids) - 1)
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
@@ -438,8 +471,10 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
+            spec_decoding_stats=self.spec_stats if self.proposer is not None else None,
         )
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats(self.spec_stats.num_spec_tokens)
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.engine_core.spec_decode import SpecDecodingStats
+
 
 @dataclass
 class PrefixCacheStats:
@@ -39,6 +41,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # since the previous snapshot
     # StepTracer.stats(): num_steps, step_time_s, batch_size, num_compiles, compile_s
     step_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,4 +50,6 @@ class SchedulerStats:
     def from_dict(cls, d: dict[str, Any]) -> SchedulerStats:
         d = dict(d)
         d["prefix_cache_stats"] = PrefixCacheStats(**d["prefix_cache_stats"])
+        if d.get("spec_decoding_stats") is not None:
+            d["spec_decoding_stats"] = SpecDecodingStats(**d["spec_decoding_stats"])
         return cls(**d)

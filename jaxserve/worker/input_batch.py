@@ -43,25 +43,30 @@ class StepInputs:
     page_indices: Any  # i32[Q, max_pages]
     cu_q_lens: Any  # i32[Q + 1]
     num_seqs: Any  # i32[1]
-    logits_indices: Any  # i32[Q]: last token of each scheduled request
+    # i32[min(T, max_logit_rows)]: the last token of each scheduled request (a request
+    # with k draft tokens: its last k + 1 tokens, one row per draft then one more).
+    logits_indices: Any
 
     @staticmethod
     @functools.cache
-    def packing(num_tokens: int, max_num_seqs: int, max_pages: int) -> Packing:
+    def packing(num_tokens: int, max_num_seqs: int, max_pages: int,
+                max_logit_rows: int) -> Packing:
         """The packed layout of a `num_tokens` bucket (one upload per step)."""
-        T, Q = num_tokens, min(num_tokens, max_num_seqs)
+        T, Q, L = num_tokens, min(num_tokens, max_num_seqs), min(num_tokens, max_logit_rows)
         return Packing((
             ("input_ids", (T,), "i32"), ("prev_slot", (T,), "i32"),
             ("positions", (T,), "i32"), ("slot_mapping", (T,), "i32"),
             ("kv_lens", (Q,), "i32"), ("page_indices", (Q, max_pages), "i32"),
             ("cu_q_lens", (Q + 1,), "i32"), ("num_seqs", (1,), "i32"),
-            ("logits_indices", (Q,), "i32"),
+            ("logits_indices", (L,), "i32"),
         ))
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int) -> None:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 max_logit_rows: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_logit_rows = max_logit_rows or max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_pages = -(-max_model_len // block_size)
@@ -133,10 +138,12 @@ class InputBatch:
             self._free_slots.append(slot)
 
     def prepare(
-        self, req_ids: list[str], num_scheduled: np.ndarray, padded_tokens: int
+        self, req_ids: list[str], num_scheduled: np.ndarray, padded_tokens: int,
+        num_drafts: np.ndarray | None = None, draft_ids: list[int] | None = None,
     ) -> tuple[StepInputs, np.ndarray, np.ndarray]:
         """Host inputs for the scheduled requests (in `req_ids` order), padded to
         `padded_tokens` tokens and min(padded_tokens, max_num_seqs) request rows.
+        `num_drafts[i]` draft tokens (`draft_ids`, flat) follow request i's first token.
 
         Returns the inputs, the slot of each request and whether each request
         samples a real token this step (False for a prefill chunk short of the
@@ -164,7 +171,7 @@ class InputBatch:
             page_indices=np.zeros((Q, self.max_pages), np.int32),
             cu_q_lens=cu,
             num_seqs=np.array([R], np.int32),
-            logits_indices=np.zeros(Q, np.int32),
+            logits_indices=np.zeros(min(padded_tokens, self.max_logit_rows), np.int32),
         )
         known = self.num_known_tokens[tok_slot]
         from_host = pos < known
@@ -175,7 +182,17 @@ class InputBatch:
         end = computed + num_scheduled
         inp.kv_lens[:R] = end
         inp.page_indices[:R] = self.block_table[slots]
-        inp.logits_indices[:R] = cu[1 : R + 1] - 1
+        if num_drafts is None:
+            inp.logits_indices[:R] = cu[1 : R + 1] - 1
+        else:
+            per_req = num_drafts + 1
+            group = np.repeat(np.arange(R), per_req)
+            within = np.arange(len(group)) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+            rows = cu[1 : R + 1][group] - per_req[group] + within
+            inp.logits_indices[: len(rows)] = rows
+            drafts_at = rows[within > 0]  # every row after a request's first holds a draft
+            inp.input_ids[drafts_at] = draft_ids
+            inp.prev_slot[drafts_at] = -1
         self.num_computed_tokens[slots] = end
         samples = end >= self.num_known_tokens[slots]
         return inp, slots, samples

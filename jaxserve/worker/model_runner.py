@@ -7,10 +7,12 @@ all compiled at warm-up):
     forward[T]        (params, kv_cache*, last_sampled, packed inputs) -> kv_cache, hidden[S]
                       runs the decoder over T (padded) tokens and keeps the hidden
                       state of each request's last token only
-    sample[R, mode]   (params, hidden[S], last_sampled*, penalty state*, packed sampling md)
+    sample[R, mode, verify]
+                      (params, hidden[P], last_sampled*, penalty state*, packed sampling md)
                       -> last_sampled, penalty state, tokens[R] and their logprobs
                       LM head on R (padded) rows only, then the on-device Sampler in the
-                      batch's SamplerMode (greedy / random / filtered: no device branch)
+                      batch's SamplerMode (greedy / random / filtered: no device branch);
+                      verify: the rejection sampler over draft rows (speculative decoding)
 
 (* donated: updated in place.) Each program's per-step inputs travel as one packed
 int32 buffer (packing.py): one upload per program per step. The sampled tokens stay on
@@ -41,6 +43,7 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
+from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.step_handle import CompileMonitor, PromptLogprobRows, StepFacts, StepHandle
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxserve.worker.sampler import (
@@ -90,7 +93,10 @@ class ModelRunner:
         block_size: int,
         min_token_bucket: int = MIN_TOKEN_BUCKET,
         seed: int = 0,
+        max_verify_rows: int = 0,
     ) -> None:
+        """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
+        most logits rows a step with drafts has (requests plus their drafts)."""
         self.stages = stages
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
@@ -100,7 +106,11 @@ class ModelRunner:
         self.token_buckets = token_buckets(max_num_batched_tokens, min_token_bucket)
         self.request_buckets = request_buckets(max_num_seqs)
         V = self.model.cfg.vocab_size
-        self.batch = InputBatch(S, max_model_len, block_size, V)
+        self.max_verify_rows = max_verify_rows
+        # Rows of final states the forward keeps: one per request, or per draft row.
+        self.num_logit_rows = max(S, max_verify_rows)
+        self.verify_buckets = request_buckets(max_verify_rows) if max_verify_rows else ()
+        self.batch = InputBatch(S, max_model_len, block_size, V, self.num_logit_rows)
         self.seed = seed
         self._num_requests_seen = 0
         # Committed to the mesh from the start: warm-up and serving must see the same
@@ -116,19 +126,20 @@ class ModelRunner:
         self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self._sample = jax.jit(
-            self._sample_impl, static_argnums=(0, 1), donate_argnums=(4, 5),
+            self._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
             out_shardings=replicated,
         )
         self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
         # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
         # traces split a step's device time into forward and sampler with it.
-        self.sample_time_s: dict[tuple[int, SamplerMode], float] = {}
+        self.sample_time_s: dict[tuple[int, SamplerMode, bool], float] = {}
         CompileMonitor.install()
 
     # ---- compiled programs -------------------------------------------------------------
 
     def forward_packing(self, num_tokens: int) -> Packing:
-        return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages)
+        return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages,
+                                  self.num_logit_rows)
 
     def _stage_impl(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
         """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
@@ -145,8 +156,8 @@ class ModelRunner:
         md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
         h, kv_cache = st.model.apply(params, x, inp.positions, kv_cache, md, method=LlamaForCausalLM.run_layers)
         if st.is_last:
-            # Rows for every batch slot, so the sampler's shapes do not depend on T.
-            rows = jnp.pad(inp.logits_indices, (0, self.max_num_seqs - inp.logits_indices.shape[0]))
+            # A fixed number of rows, so the sampler's shapes do not depend on T.
+            rows = jnp.pad(inp.logits_indices, (0, self.num_logit_rows - inp.logits_indices.shape[0]))
             normed = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)
             # all_rows (prompt logprobs): every token's state too, not only the sampled rows.
             h = (normed[rows], normed) if all_rows else normed[rows]
@@ -210,9 +221,11 @@ class ModelRunner:
 
     @staticmethod
     @functools.cache
-    def sampler_packing(num_rows: int) -> Packing:
+    def sampler_packing(num_rows: int, verify: bool = False) -> Packing:
         R = (num_rows,)
-        return Packing((
+        # verify: each row's draft (-1: none) and the index of its request's first row.
+        drafts = (("draft_ids", R, "i32"), ("group_first", R, "i32")) if verify else ()
+        return Packing((*drafts,
             ("slots", R, "i32"), ("real", R, "bool"), ("temperature", R, "f32"),
             ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
             ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
@@ -220,20 +233,24 @@ class ModelRunner:
             ("min_tokens_end", R, "i32"),
         ))
 
-    def _sample_impl(self, num_rows: int, mode: SamplerMode, params, hidden, last_sampled,
-                     penalties: PenaltyState, buf, bitmask=None):
-        u = self.sampler_packing(num_rows).unpack(buf)
+    def _sample_impl(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
+                     last_sampled, penalties: PenaltyState, buf, bitmask=None):
+        u = self.sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
+        drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
         md = SamplingMetadata(**u)
         logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
         processors = LogitsProcessors(penalties.stop_mask[rows], penalties.bias_ids[rows],
                                       penalties.bias_values[rows], bitmask)
-        out = sample(logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
-                     processors)
+        args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
+                processors)
+        out = rejection_sample(*args, *drafts) if verify else sample(*args)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
-        last_sampled = last_sampled.at[slots].set(out.sampled, mode="drop")
-        counted = jnp.where(real, slots, self.max_num_seqs)
+        S = self.max_num_seqs
+        last_sampled = last_sampled.at[slots if not verify else jnp.where(out.final, slots, S)
+                                       ].set(out.sampled, mode="drop")
+        counted = jnp.where(real if not verify else real & out.emitted, slots, S)
         counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
         return last_sampled, dataclasses.replace(penalties, output_counts=counts), out
 
@@ -267,9 +284,19 @@ class ModelRunner:
             return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
         T = pad_to_bucket(int(num_sched.sum()), self.token_buckets)
-        inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
-        R = pad_to_bucket(len(req_ids), self.request_buckets)
-        md, mode = self._sampling_inputs(inp, slots, samples, R)
+        spec = so.scheduled_spec_decode_tokens
+        per_req = None  # logits rows per request: 1, or 1 + its drafts
+        if spec:
+            num_drafts = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
+            drafts = [t for r in req_ids for t in spec.get(r, ())]
+            inp, slots, samples = self.batch.prepare(req_ids, num_sched, T, num_drafts, drafts)
+            per_req = num_drafts + 1
+            R = pad_to_bucket(int(per_req.sum()), self.verify_buckets)
+            md, mode = self._verify_inputs(inp, slots, samples, num_drafts, drafts, R)
+        else:
+            inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
+            R = pad_to_bucket(len(req_ids), self.request_buckets)
+            md, mode = self._sampling_inputs(slots, samples, inp.kv_lens[: len(req_ids)], R)
         prompt = self._prompt_rows(req_ids, slots, inp, T)
         hidden = self._forward(inp, all_rows=prompt is not None)
         prompt_out = None
@@ -283,18 +310,19 @@ class ModelRunner:
             # Compiled on first use, like prompt logprobs: a program variant with the mask.
             words = -(-self.model.cfg.vocab_size // 32)
             bitmask = np.full((R, words), -1, np.int32)  # rows without a grammar: all allowed
-            for i, r in enumerate(req_ids):
-                if r in so.grammar_bitmask:
+            first_rows = np.arange(len(req_ids)) if per_req is None else np.cumsum(per_req) - per_req
+            for i, r in zip(first_rows.tolist(), req_ids):
+                if r in so.grammar_bitmask:  # (a request with a grammar has no drafts)
                     bitmask[i] = so.grammar_bitmask[r][:words]
         # NOTE: no bitmask argument at all without one: an explicit None would be another
         # call signature to jit, and compile again what warm-up compiled.
         self.last_sampled, self.penalties, out = self._sample(
-            R, mode, self.params, hidden, self.last_sampled, self.penalties, md,
-            *(() if bitmask is None else (bitmask,)))
-        facts = StepFacts(self.sample_time_s.get((R, mode), 0.0),
+            R, mode, per_req is not None, self.params, hidden, self.last_sampled, self.penalties,
+            md, *(() if bitmask is None else (bitmask,)))
+        facts = StepFacts(self.sample_time_s.get((R, mode, per_req is not None), 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
-                          prompt_out, facts)
+                          prompt_out, facts, per_req)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()
@@ -340,9 +368,30 @@ class ModelRunner:
         self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids,
                                      stop_arr, bias_ids, bias_values)
 
-    def _sampling_inputs(self, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
-                         R: int) -> tuple[np.ndarray, SamplerMode]:
-        """The sampler's packed per-row inputs for R (padded) rows, and the batch's mode."""
+    def _verify_inputs(self, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
+                       num_drafts: np.ndarray, drafts: list[int], R: int
+                       ) -> tuple[np.ndarray, SamplerMode]:
+        """The rejection sampler's packed inputs: request i's 1 + num_drafts[i] rows, row j
+        sampling position kv_len - num_drafts[i] + j and verifying draft j (none on the last)."""
+        n = len(slots)
+        per_req = num_drafts + 1
+        group = np.repeat(np.arange(n), per_req)
+        first = np.cumsum(per_req) - per_req
+        within = np.arange(len(group)) - first[group]
+        positions = inp.kv_lens[group] - num_drafts[group] + within
+        draft_ids = np.full(R, -1, np.int32)
+        last = within == num_drafts[group]
+        draft_ids[np.flatnonzero(~last)] = drafts
+        group_first = np.arange(R, dtype=np.int32)  # padding rows: a group of their own
+        group_first[: len(group)] = first[group]
+        return self._sampling_inputs(slots[group], samples[group], positions, R,
+                                     {"draft_ids": draft_ids, "group_first": group_first})
+
+    def _sampling_inputs(self, slots: np.ndarray, samples: np.ndarray, positions: np.ndarray,
+                         R: int, verify: dict[str, np.ndarray] | None = None
+                         ) -> tuple[np.ndarray, SamplerMode]:
+        """The sampler's packed per-row inputs for R (padded) rows, and the batch's mode.
+        `positions`: the index in its sequence of each row's sampled token."""
         b, n, S = self.batch, len(slots), self.max_num_seqs
 
         def rows(a: np.ndarray, fill: Any) -> np.ndarray:
@@ -359,26 +408,36 @@ class ModelRunner:
             "frequency_penalty": rows(b.frequency_penalty, 0.0),
             "presence_penalty": rows(b.presence_penalty, 0.0),
             "seeds": rows(b.seeds, 0),
-            # The sampled token's index in its sequence = the context length after this step.
-            "positions": np.concatenate([inp.kv_lens[:n], np.zeros(R - n, np.int32)]),
+            "positions": np.concatenate([positions, np.zeros(R - n, np.int32)]),
             "min_tokens_end": rows(b.min_tokens_end, 0),
+            **(verify or {}),
         }
         mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
                                      b.min_p[slots])
-        return self.sampler_packing(R).pack(values), mode
+        return self.sampler_packing(R, verify is not None).pack(values), mode
 
     def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
-                   num_logprobs: np.ndarray) -> ModelRunnerOutput:
+                   num_logprobs: np.ndarray, per_req: np.ndarray | None = None) -> ModelRunnerOutput:
+        """`per_req`: each request's rows in a verification step (its accepted drafts and
+        final token come back; a request with logprobs has one row, having no drafts)."""
         n = len(req_ids)
         if out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        tokens = _host(out.sampled)[:n].tolist()
-        sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
+        if per_req is None:
+            tokens = _host(out.sampled)[:n].tolist()
+            sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
+            first = slice(0, n)
+        else:
+            ends = np.cumsum(per_req)
+            first = ends - per_req
+            tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
+            sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
+                       for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
         logprobs = None
         if (num_logprobs >= 0).any():
-            ids = _host(out.logprob_token_ids)[:n]
-            lps = _host(out.logprobs)[:n]
-            ranks = _host(out.sampled_ranks)[:n]
+            ids = _host(out.logprob_token_ids)[first]
+            lps = _host(out.logprobs)[first]
+            ranks = _host(out.sampled_ranks)[first]
             k = num_logprobs.tolist()
             logprobs = LogprobsLists(
                 token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
@@ -404,7 +463,8 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         modes = list(SamplerMode)
-        total = len(self.token_buckets) + len(self.request_buckets) * len(modes) + 1
+        samplers = [(R, False) for R in self.request_buckets] + [(R, True) for R in self.verify_buckets]
+        total = len(self.token_buckets) + len(samplers) * len(modes) + 1
         empty = np.zeros(0, np.int32)
         # disable=None: a bar on a terminal, nothing in a log file (one line per update there).
         with tqdm(total=total, desc="Compiling buckets", unit="program", disable=None) as bar:
@@ -413,17 +473,20 @@ class ModelRunner:
                 inp, _, _ = self.batch.prepare([], empty, T)
                 hidden = self._forward(inp)
                 bar.update()
-            for R in self.request_buckets:
-                md, _ = self._sampling_inputs(inp, empty, np.zeros(0, bool), R)
+            for R, verify in samplers:
+                no_rows = (empty, np.zeros(0, bool), empty)
+                md, _ = (self._verify_inputs(inp, *no_rows[:2], empty, [], R) if verify
+                         else self._sampling_inputs(*no_rows, R))
                 for mode in modes:
                     for timed in (False, True):  # compile, then time a warm run
                         jax.block_until_ready(hidden)
                         t = time.perf_counter()
                         self.last_sampled, self.penalties, out = self._sample(
-                            R, mode, self.params, hidden, self.last_sampled, self.penalties, md)
+                            R, mode, verify, self.params, hidden, self.last_sampled,
+                            self.penalties, md)
                         jax.block_until_ready(out)
                         if timed:
-                            self.sample_time_s[(R, mode)] = time.perf_counter() - t
+                            self.sample_time_s[(R, mode, verify)] = time.perf_counter() - t
                     bar.update()
             self._admit_slot(0, [], [])
             bar.update()

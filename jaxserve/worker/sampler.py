@@ -84,6 +84,10 @@ class SamplerOutput:
     logprob_token_ids: jax.Array  # i32[R, 1 + MAX_LOGPROBS]: sampled, then top-N
     logprobs: jax.Array  # f32[R, 1 + MAX_LOGPROBS]
     sampled_ranks: jax.Array  # i32[R]; 1 = most likely
+    # Verification steps (rejection_sampler): rows whose token is emitted, and each
+    # request's last emitted row. None for plain sampling (every row, one per request).
+    emitted: jax.Array | None = None  # bool[R]
+    final: jax.Array | None = None  # bool[R]
 
 
 def apply_penalties(
@@ -148,6 +152,27 @@ def random_sample(logits: jax.Array, seeds: jax.Array, positions: jax.Array) -> 
     return jax.vmap(one)(logits, seeds, positions).astype(jnp.int32)
 
 
+def processed_logits(
+    logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array, md: SamplingMetadata,
+    processors: LogitsProcessors | None,
+) -> tuple[jax.Array, jax.Array]:
+    """(raw logprobs, logits after the processors and penalties: greedy takes their argmax)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if processors is not None:
+        logits = apply_logits_processors(logits, md, processors)
+    return raw_logprobs, apply_penalties(logits, prompt_mask, output_counts, md)
+
+
+def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode) -> jax.Array:
+    """The distribution random rows draw from: temperature, then the filters (FILTERED)."""
+    is_greedy = md.temperature <= 0.0
+    scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+    if mode is SamplerMode.FILTERED:  # each filter is a no-op on rows without it
+        scaled = apply_min_p(scaled, md.min_p)
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+    return scaled
+
+
 def sample(
     logits: jax.Array,  # f32[R, V]
     prompt_mask: jax.Array,  # bool[R, V]
@@ -160,19 +185,17 @@ def sample(
 
     `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
     """
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    if processors is not None:
-        logits = apply_logits_processors(logits, md, processors)
-    logits = apply_penalties(logits, prompt_mask, output_counts, md)
+    raw_logprobs, logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode is not SamplerMode.GREEDY:
-        is_greedy = md.temperature <= 0.0
-        scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
-        if mode is SamplerMode.FILTERED:  # each filter is a no-op on rows without it
-            scaled = apply_min_p(scaled, md.min_p)
-            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
-        sampled = jnp.where(is_greedy, sampled, random_sample(scaled, md.seeds, md.positions))
+        scaled = scaled_logits(logits, md, mode)
+        sampled = jnp.where(md.temperature <= 0.0, sampled,
+                            random_sample(scaled, md.seeds, md.positions))
+    return with_logprobs(raw_logprobs, sampled)
 
+
+def with_logprobs(raw_logprobs: jax.Array, sampled: jax.Array) -> SamplerOutput:
+    """The sampled tokens with their logprobs, the top-N and their ranks."""
     top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)
     ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)

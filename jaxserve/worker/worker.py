@@ -179,6 +179,7 @@ class Worker:
             block_size=cc.block_size,
             min_token_bucket=MIN_TOKEN_BUCKET_CPU if self.platform == "cpu" else MIN_TOKEN_BUCKET,
             seed=self.config.model_config.seed,
+            max_verify_rows=_max_verify_rows(self.config),
         )
 
     def compile_or_warm_up(self) -> None:
@@ -195,3 +196,12 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model_async(scheduler_output)
 
+
+def _max_verify_rows(config: EngineConfig) -> int:
+    """The most logits rows of a step with drafts (0: no speculative decoding): requests
+    speculate only while at most `disable_by_batch_size` run, each with k + 1 rows."""
+    spec, sc = config.speculative_config, config.scheduler_config
+    if spec is None:
+        return 0
+    requests = min(sc.max_num_seqs, spec.disable_by_batch_size or sc.max_num_seqs)
+    return min(requests * (spec.num_speculative_tokens + 1), sc.max_num_batched_tokens)

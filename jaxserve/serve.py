@@ -126,6 +126,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "reference, or any registered variant")
     engine.add_argument("--attention-interpret", action="store_true",
                         help="run Pallas attention variants in interpret mode (tests, research)")
+    engine.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (keys: prompt_lookup_max, '
+                             'prompt_lookup_min, disable_by_batch_size); turns off async scheduling')
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="devices each layer is split over")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -145,6 +149,19 @@ def json_list(value: str) -> list[str]:
         parsed = None
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def json_object(value: str) -> dict:
+    """A JSON object (vLLM's --speculative-config form)."""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
 
 
@@ -188,6 +205,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         attention_interpret=args.attention_interpret, request_tracing=args.request_tracing,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -94,6 +94,14 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (pages taken back).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        # Speculative decoding (vLLM's spec_decode_* counters).
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Requests' draft proposals verified.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+            ["model_name", "position"], registry=r)
         self._routed = Counter(PREFIX + "engine_requests_routed", "Requests sent to each data-parallel engine.",
                                ["model_name", "engine"], registry=r)
         self._request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
@@ -136,6 +144,13 @@ class ServerMetrics:
         self.totals["prefix_queries"] += stats.prefix_cache_stats.queries
         self.totals["prefix_hits"] += stats.prefix_cache_stats.hits
         self.num_preemptions.inc(stats.num_preemptions)
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                self._accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
         self.totals["preemptions"] += stats.num_preemptions
         n, secs = stats.step_stats.get("num_compiles", 0), stats.step_stats.get("compile_s", 0.0)
         n0, s0 = self._compile_totals.get(engine_index, (0, 0.0))

@@ -10,12 +10,15 @@ without an input token all fail an assertion here.
 
 By default sampled tokens are a pure function of (req_id, position), so a run
 gives the same tokens with sync or async scheduling and with or without
-preemption.
+preemption. Draft tokens (speculative decoding) are verified against that
+function, as greedy verification would: the accepted prefix and one more token
+come back, and the worker's num_computed_tokens rolls back over the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +57,7 @@ class FakeWorker:
         eos_prob: float = 0.0,
         check_kv: bool = True,
         deterministic: bool = True,
+        token_fn: Callable[[str, int], int] | None = None,
     ) -> None:
         """deterministic=False mixes the step number into each token, like real
         sampling: then a token the scheduler and the worker disagree on shows up."""
@@ -63,6 +67,7 @@ class FakeWorker:
         self.eos_prob = eos_prob
         self.check_kv = check_kv
         self.deterministic = deterministic
+        self.token_fn = token_fn  # (req_id, position) -> token, instead of fake_token
         self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.reqs: dict[str, _ReqState] = {}
         self.steps: list[SchedulerOutput] = []
@@ -94,37 +99,43 @@ class FakeWorker:
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
 
         bs = self.block_size
+        spec = so.scheduled_spec_decode_tokens
         # Write the KV of every scheduled token first (as each layer does) ...
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
             start, end = st.num_computed_tokens, st.num_computed_tokens + n
+            drafts = spec.get(req_id, [])
             assert n > 0
-            assert end <= len(st.tokens), f"{req_id}: position {end - 1} has no input token"
+            assert not drafts or end - len(drafts) == len(st.tokens), "drafts after a known token"
+            assert end - len(drafts) <= len(st.tokens), f"{req_id}: position {end - 1} has no input token"
             assert -(-end // bs) <= len(st.block_ids), f"{req_id}: no page for position {end - 1}"
             assert 0 not in st.block_ids, "the null page was handed out"
             if self.check_kv:
                 pos = np.arange(start, end)
                 pages = np.asarray(st.block_ids)[pos // bs]
-                self.kv[pages, pos % bs] = st.tokens[start:end]
+                self.kv[pages, pos % bs] = (st.tokens + drafts)[start:end]
         # ... then read all context back, as attention does.
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
             end = st.num_computed_tokens + n
+            drafts = spec.get(req_id, [])
             if self.check_kv:
                 pos = np.arange(end)
                 got = self.kv[np.asarray(st.block_ids)[pos // bs], pos % bs]
-                bad = np.nonzero(got != np.asarray(st.tokens[:end]))[0]
+                bad = np.nonzero(got != np.asarray((st.tokens + drafts)[:end]))[0]
                 assert bad.size == 0, f"{req_id}: stale KV at positions {bad[:8]}"
             st.num_computed_tokens = end
             req_ids.append(req_id)
-            if end == len(st.tokens):
-                nonce = 0 if self.deterministic else self.num_executed
-                tok = fake_token(
-                    req_id, end, self.vocab_size, self.eos_token_id, self.eos_prob, nonce
-                )
-                st.tokens.append(tok)
-                sampled.append([tok])
+            if end - len(drafts) == len(st.tokens):
+                emitted = []
+                for j in range(len(drafts) + 1):
+                    emitted.append(self._token(req_id, len(st.tokens) + j))
+                    if j == len(drafts) or drafts[j] != emitted[-1]:
+                        break
+                st.tokens.extend(emitted)
+                st.num_computed_tokens = end - len(drafts) + len(emitted) - 1
+                sampled.append(emitted)
             else:
                 sampled.append([])
         logprobs = LogprobsLists(
@@ -138,6 +149,13 @@ class FakeWorker:
             sampled_token_ids=sampled,
             logprobs=logprobs,
         )
+
+
+    def _token(self, req_id: str, position: int) -> int:
+        if self.token_fn is not None:
+            return self.token_fn(req_id, position)
+        nonce = 0 if self.deterministic else self.num_executed
+        return fake_token(req_id, position, self.vocab_size, self.eos_token_id, self.eos_prob, nonce)
 
 
 class FakeHandle:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 
-from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.outputs import EngineCoreOutput
 from jaxserve.engine_core.request import Request
@@ -26,6 +26,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
     enable_chunked_prefill: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -39,6 +40,7 @@ def make_scheduler(
         CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,
         eos_token_id=EOS,
+        speculative_config=speculative_config,
     )
 
 

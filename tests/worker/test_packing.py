@@ -27,7 +27,10 @@ def test_round_trip_of_every_kind() -> None:
 
 def test_step_layout_holds_request_rows_for_the_tokens_only() -> None:
     """A T-token step carries min(T, max_num_seqs) page-table rows, not max_num_seqs."""
-    small = dict((name, shape) for name, shape, _ in StepInputs.packing(1, 256, 512).fields)
+    small = dict((name, shape) for name, shape, _ in StepInputs.packing(1, 256, 512, 256).fields)
     assert small["page_indices"] == (1, 512) and small["kv_lens"] == (1,)
-    big = dict((name, shape) for name, shape, _ in StepInputs.packing(2048, 256, 512).fields)
+    big = dict((name, shape) for name, shape, _ in StepInputs.packing(2048, 256, 512, 256).fields)
     assert big["page_indices"] == (256, 512) and big["input_ids"] == (2048,)
+    # With drafts to verify (speculative decoding), more logits rows than requests.
+    spec = dict((name, shape) for name, shape, _ in StepInputs.packing(2048, 256, 512, 1280).fields)
+    assert spec["logits_indices"] == (1280,) and spec["kv_lens"] == (256,)

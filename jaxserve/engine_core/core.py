@@ -120,7 +120,10 @@ class EngineCore:
         t0 = time.time()
         scheduler_output = self.scheduler.schedule()
         st = self.tracer.scheduled(scheduler_output, t0)
+        t1 = time.perf_counter()
         model_output = self._execute(scheduler_output, st)
+        self.scheduler.observe_step_time(scheduler_output.total_num_scheduled_tokens,
+                                         time.perf_counter() - t1)
         return self._update(scheduler_output, model_output, st)
 
     def _update(self, so: SchedulerOutput, model_output: ModelRunnerOutput,

@@ -35,7 +35,7 @@ from jaxserve.engine_core.request import InvalidRequestError, Request, RequestSt
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_new_request, check_stop
-from jaxserve.engine_core.spec_decode import NgramProposer, SpecDecodingStats, can_speculate
+from jaxserve.engine_core.spec_decode import DraftPolicy, NgramProposer, SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 
@@ -91,6 +91,7 @@ class Scheduler:
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs async_scheduling=False")
         self.proposer = NgramProposer(spec) if spec is not None else None
+        self.draft_policy = DraftPolicy()
         self.spec_batch_limit = (spec and spec.disable_by_batch_size) or self.max_num_running_reqs
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's drafts
@@ -164,6 +165,8 @@ class Scheduler:
             self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
             num_scheduled_tokens, preempted_reqs,
         )
+        if self._spec_tokens:
+            token_budget = self._keep_drafts_if_they_pay(token_budget, num_scheduled_tokens)
         # NOTE: no admissions in a step that preempted: the pages just freed
         # would go to a newcomer and the preempted request would thrash.
         if not preempted_reqs:
@@ -231,8 +234,8 @@ class Scheduler:
                 req_index += 1
                 continue
             drafts = None
-            if num_new_tokens == 1 and self.proposer is not None:
-                drafts = self._propose_drafts(request, token_budget - 1)
+            if num_new_tokens == 1 and self.proposer and len(running) <= self.spec_batch_limit:
+                drafts = self.proposer.propose_for(request, token_budget - 1, max_model_len)
                 num_new_tokens += len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -263,15 +266,22 @@ class Scheduler:
             req_index += 1
         return token_budget
 
-    def _propose_drafts(self, request: Request, max_drafts: int) -> list[int]:
-        """N-gram drafts for a decoding request, within the step's budget, the context
-        and max_tokens (the step samples one token beyond the drafts)."""
-        if len(self.running) > self.spec_batch_limit or not can_speculate(request.sampling_params):
-            return []
-        max_drafts = min(max_drafts, self.max_model_len - 1 - request.num_tokens,
-                         request.max_tokens - request.num_output_tokens - 1)
-        assert self.proposer is not None
-        return self.proposer.propose(request.all_token_ids, max_drafts)
+    def _keep_drafts_if_they_pay(self, token_budget: int, num_scheduled: dict[str, int]) -> int:
+        """Drop this step's drafts unless DraftPolicy expects them to raise tokens/s; their
+        pages stay allocated (the request grows into them). Returns the budget left."""
+        num_drafts = sum(map(len, self._spec_tokens.values()))
+        num_tokens = self.max_num_scheduled_tokens - token_budget - num_drafts
+        if self.draft_policy.pays(num_tokens, num_drafts, len(num_scheduled)):
+            return token_budget
+        for req_id, drafts in self._spec_tokens.items():
+            num_scheduled[req_id] -= len(drafts)
+        self._spec_tokens = {}
+        return token_budget + num_drafts
+
+    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A synchronous step's duration (the engine core's clock), for DraftPolicy."""
+        if self.proposer is not None:
+            self.draft_policy.observe_step(num_tokens, seconds)
 
     def _schedule_waiting(
         self,
@@ -392,6 +402,7 @@ class Scheduler:
                 # Rejected drafts' KV is overwritten by the next steps.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
                 self.spec_stats.observe(len(drafts), len(new_token_ids) - 1)
+                self.draft_policy.observe_drafts(len(drafts), len(new_token_ids) - 1)
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status

@@ -19,8 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from jaxserve.config import SpeculativeConfig
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine_core.request import Request
 
 
 class NgramProposer:
@@ -30,6 +35,15 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min or 1
         self.max_n = config.prompt_lookup_max or self.min_n
+
+    def propose_for(self, request: Request, max_drafts: int, max_model_len: int) -> list[int]:
+        """Drafts for a decoding request within the step's budget (`max_drafts`), the
+        context and max_tokens (the step samples one token beyond its drafts)."""
+        if not can_speculate(request.sampling_params):
+            return []
+        max_drafts = min(max_drafts, max_model_len - 1 - request.num_tokens,
+                         request.max_tokens - request.num_output_tokens - 1)
+        return self.propose(request.all_token_ids, max_drafts)
 
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) tokens that followed the most recent earlier occurrence
@@ -71,6 +85,48 @@ def can_speculate(params: SamplingParams) -> bool:
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
     )
+
+
+class DraftPolicy:
+    """Keeps a step's drafts only where they pay, from measured step times.
+
+    Verifying D drafts turns a T-token step into a T + D-token one. Where the forward is
+    bound by reading the weights (few tokens) that is nearly free; where it is bound by
+    compute (a full batch, or any batch on a CPU) it costs about D/T more. So each step
+    compares the expected tokens per second with and without its drafts,
+
+        (sampled + acceptance * D) / time(T + D)   vs   sampled / time(T),
+
+    with time(n) the measured mean step time of n tokens (by power-of-two bucket, as the
+    worker pads them) and acceptance the measured accepted fraction of draft tokens. A
+    bucket not yet measured is tried once (drafts kept if T + D is the unknown one).
+    """
+
+    def __init__(self) -> None:
+        self.step_s: dict[int, float] = {}  # token bucket -> moving mean of step seconds
+        self.acceptance = 0.5  # moving mean of accepted / proposed draft tokens
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return 1 << max(num_tokens - 1, 0).bit_length()
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        b = self._bucket(num_tokens)
+        old = self.step_s.get(b)
+        self.step_s[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def observe_drafts(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens:
+            self.acceptance = 0.9 * self.acceptance + 0.1 * num_accepted / num_draft_tokens
+
+    def pays(self, num_tokens: int, num_drafts: int, num_sampled: int) -> bool:
+        """Whether a step of `num_tokens` tokens (drafts excluded), sampling for
+        `num_sampled` requests, gains from `num_drafts` more tokens of drafts."""
+        with_drafts = self.step_s.get(self._bucket(num_tokens + num_drafts))
+        without = self.step_s.get(self._bucket(num_tokens))
+        if with_drafts is None or without is None:
+            return with_drafts is None  # measure the unknown one
+        return (num_sampled + self.acceptance * num_drafts) / with_drafts > num_sampled / without
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 from jaxserve.config import SpeculativeConfig, make_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.request import Request
-from jaxserve.engine_core.spec_decode import NgramProposer
+from jaxserve.engine_core.spec_decode import DraftPolicy, NgramProposer
 from jaxserve.sampling_params import SamplingParams
 
 from .fake_worker import FakeWorker
@@ -72,6 +72,7 @@ def cyclic_token(req_id: str, position: int) -> int:
 def run_engine(spec: SpeculativeConfig | None, num_blocks: int, caching: bool):
     sched = make_scheduler(num_blocks=num_blocks, max_model_len=72, max_num_batched_tokens=24,
                            enable_prefix_caching=caching, speculative_config=spec)
+    sched.draft_policy.pays = lambda *_: True  # the fake worker's step times mean nothing
     worker = FakeWorker(num_blocks, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
     for i in range(6):
@@ -107,6 +108,7 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps(num_blocks, caching) -
 def test_drafts_respect_budget_max_tokens_and_batch_size() -> None:
     spec = SpeculativeConfig(4, prompt_lookup_min=1, disable_by_batch_size=1)
     sched = make_scheduler(speculative_config=spec, max_num_batched_tokens=64)
+    sched.draft_policy.pays = lambda *_: True
     worker = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
     core.add_request(Request("a", CYCLE * 2, SamplingParams(max_tokens=3)))
@@ -125,12 +127,46 @@ def test_drafts_respect_budget_max_tokens_and_batch_size() -> None:
     for params in (SamplingParams(max_tokens=8, frequency_penalty=0.5),
                    SamplingParams(max_tokens=8, logprobs=2)):
         sched2 = make_scheduler(speculative_config=SpeculativeConfig(4, prompt_lookup_min=1))
+        sched2.draft_policy.pays = lambda *_: True
         w2 = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
         core2 = EngineCore(sched2, w2)
         core2.add_request(Request("p", CYCLE * 2, params))
         while core2.has_work():
             core2.step()
         assert not any(so.scheduled_spec_decode_tokens for so in w2.steps)
+
+
+def test_draft_policy_keeps_drafts_only_where_they_pay() -> None:
+    policy = DraftPolicy()
+    assert policy.pays(1, 7, 1)  # nothing measured: try the drafts' bucket first
+    policy.observe_step(8, 0.040)
+    assert not policy.pays(1, 7, 1)  # then the plain step's
+    policy.observe_step(1, 0.024)
+    policy.acceptance = 0.7
+    # Bound by reading weights: 8 tokens cost 1.7x one and bring 1 + 0.7 * 7 = 5.9 tokens.
+    assert policy.pays(1, 7, 1)
+    # Bound by compute (a CPU at 16 requests): 8x the tokens cost ~8x the time.
+    policy.observe_step(16, 0.067)
+    policy.observe_step(128, 0.560)
+    assert not policy.pays(16, 112, 16)
+    policy.acceptance = 0.05  # drafts that are nearly always rejected never pay
+    assert not policy.pays(1, 7, 1)
+    policy.observe_drafts(10, 10)
+    assert 0.05 < policy.acceptance < 0.2  # a moving mean, not the last step
+
+
+def test_scheduler_drops_drafts_that_do_not_pay() -> None:
+    spec = SpeculativeConfig(4, prompt_lookup_min=1)
+    sched = make_scheduler(speculative_config=spec, max_num_batched_tokens=64)
+    worker = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
+    core = EngineCore(sched, worker)
+    sched.draft_policy.pays = lambda *_: False
+    core.add_request(Request("a", CYCLE * 2, SamplingParams(max_tokens=12)))
+    while core.has_work():
+        core.step()
+    assert not any(so.scheduled_spec_decode_tokens for so in worker.steps)
+    assert all(n == 1 for so in worker.steps[1:] for n in so.num_scheduled_tokens.values())
+    assert sched.draft_policy.step_s  # the engine core fed it step times
 
 
 def test_async_scheduling_with_speculation_is_refused() -> None:

@@ -70,7 +70,8 @@ class ServerMetrics:
         # Plain running totals beside the Prometheus counters, for the periodic log line and
         # /debug's live counters (prometheus_client has no public read API).
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0,
-                       "prefix_hits": 0, "preemptions": 0}
+                       "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
+                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         # For /debug: generated tokens as they came (monotonic time, count), and compiles as
         # they happened (Unix time, programs, seconds) from the engines' running totals.
         self._token_times: deque[tuple[float, int]] = deque()
@@ -149,6 +150,9 @@ class ServerMetrics:
             self.spec_decode_num_drafts.inc(spec.num_drafts)
             self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
             self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            self.totals["spec_drafts"] += spec.num_drafts
+            self.totals["spec_draft_tokens"] += spec.num_draft_tokens
+            self.totals["spec_accepted_tokens"] += spec.num_accepted_tokens
             for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
                 self._accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
         self.totals["preemptions"] += stats.num_preemptions
@@ -268,8 +272,15 @@ class LoggingStatLogger:
             return None  # one line after the work stops, then quiet
         self._was_idle = idle
         queries, hits = totals["prefix_queries"], totals["prefix_hits"]
-        return (f"Avg prompt throughput: {delta['prompt_tokens'] / dt:.1f} tokens/s, "
+        line = (f"Avg prompt throughput: {delta['prompt_tokens'] / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {delta['generation_tokens'] / dt:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        drafts, drafted = delta["spec_drafts"], delta["spec_draft_tokens"]
+        if drafts:  # vLLM's SpecDecoding metrics, since the previous line
+            accepted = delta["spec_accepted_tokens"]
+            line += (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                     f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                     f"Draft acceptance rate: {100 * accepted / drafted:.1f}%")
+        return line

@@ -12,8 +12,10 @@ import sys
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
+from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 from jaxserve.serve import (
@@ -89,6 +91,24 @@ def test_stat_logger_line() -> None:
     assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 "
                     "tokens/s, Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
                     "Prefix cache hit rate: 40.0%"), line
+    # Speculative decoding: vLLM's counters on /metrics and its part of the line.
+    spec = SpecDecodingStats(3)
+    spec.observe(3, 3)
+    spec.observe(3, 1)
+    m.record_scheduler_stats(SchedulerStats(num_running_reqs=1, spec_decoding_stats=spec))
+    line = log.line(now=30.0)
+    assert line.endswith("SpecDecoding: Mean acceptance length: 3.00, Accepted: 4 tokens, "
+                         "Drafted: 6 tokens, Draft acceptance rate: 66.7%"), line
+    text = generate_latest(m.registry).decode()
+    for sample in ('jaxserve:spec_decode_num_drafts_total{model_name="m"} 2.0',
+                   'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 6.0',
+                   'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
+                   'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+                   'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+        assert sample in text, sample
+    # The stats survive the trip from the engine-core process (msgpack of to_dict()).
+    assert SchedulerStats.from_dict(SchedulerStats(spec_decoding_stats=spec).to_dict()
+                                    ).spec_decoding_stats == spec
 
 
 def test_generation_defaults_and_chat_template_sources(tmp_path) -> None:
@@ -117,7 +137,9 @@ def test_bad_tokenizer_generation_config_and_max_logprobs_are_usage_errors() -> 
                         (["--max-logprobs", "50"], "--max-logprobs"),
                         (["--chat-template", "nope.jinja"], "--chat-template"),
                         (["--enable-auto-tool-choice"], "--tool-call-parser"),
-                        (["--tool-call-parser", "nope"], "--tool-call-parser")):
+                        (["--tool-call-parser", "nope"], "--tool-call-parser"),
+                        (["--speculative-config", "[1]"], "--speculative-config"),
+                        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens")):
         out = _serve(*args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
     # Multi-host settings a follower cannot work with are usage errors too.

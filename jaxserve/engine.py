@@ -63,14 +63,20 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     if worker.distributed.process_id != 0:
         raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
     sc = config.scheduler_config
+    pp = config.parallel_config.pipeline_parallel_size
+    # With pipeline stages, async scheduling becomes microbatches: pp steps in flight with
+    # requests of their own, so each step's stage 0 needs nothing from the step before and
+    # the stages overlap (feeding a step the previous one's tokens would chain them).
+    microbatches = pp if pp > 1 and sc.async_scheduling else 1
+    if microbatches > 1:
+        sc = dataclasses.replace(sc, async_scheduling=False)
     # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).
     tokenizer = config.model_config.tokenizer or config.model_config.model
     structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer), worker.arch.vocab_size)
     scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured,
-                          config.speculative_config)
-    # Async scheduling keeps one step in flight while the next is prepared; with
-    # pipeline stages, one per stage so that the stages overlap.
-    batch_queue = max(2, config.parallel_config.pipeline_parallel_size) if sc.async_scheduling else 1
+                          config.speculative_config, microbatches)
+    # Async scheduling keeps one step in flight while the next is prepared.
+    batch_queue = microbatches if microbatches > 1 else 2 if sc.async_scheduling else 1
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
     core = EngineCore(scheduler, executor, batch_queue_size=batch_queue,
                       request_tracing=config.request_tracing)

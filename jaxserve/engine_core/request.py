@@ -93,6 +93,7 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        self.num_steps_in_flight = 0  # scheduled steps whose output has not come back
         # Prefix-cache hit length at first scheduling; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

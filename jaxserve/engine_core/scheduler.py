@@ -15,6 +15,12 @@ Running requests are served first, in order; when pages run out the worst one
 is preempted by recompute. Waiting requests are admitted only when their whole
 remaining prompt fits in free pages, and never in a step that preempted.
 
+Pipeline microbatches (`num_microbatches` > 1, without async scheduling): up to
+that many steps are in flight, each with its own requests (one in flight is not
+scheduled again: its tokens are not known) and at most max_num_seqs /
+num_microbatches of them, so stage 0 of step N+1 runs while later pipeline
+stages still work on step N.
+
 Async scheduling: step N+1 is scheduled before step N's sampled tokens are
 known. A step that brings a request to the end of its known tokens adds an
 output placeholder; the next step computes that placeholder (the worker feeds
@@ -55,6 +61,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        num_microbatches: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output = structured_output or StructuredOutputManager()
@@ -88,8 +95,10 @@ class Scheduler:
         self.num_preemptions = 0  # since the previous make_stats()
         self.total_num_preemptions = 0
         spec = speculative_config
-        if spec is not None and self.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling=False")
+        if (spec is not None or num_microbatches > 1) and self.async_scheduling:
+            raise ValueError("speculative decoding and pipeline microbatches need "
+                             "async_scheduling=False")
+        self.max_reqs_per_step = -(-self.max_num_running_reqs // num_microbatches)
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.draft_policy = DraftPolicy()
         self.spec_batch_limit = (spec and spec.disable_by_batch_size) or self.max_num_running_reqs
@@ -211,7 +220,8 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         max_model_len = self.max_model_len
         req_index = 0
-        while req_index < len(running) and token_budget > 0:
+        max_reqs = self.max_reqs_per_step
+        while req_index < len(running) and token_budget > 0 and len(scheduled_running_reqs) < max_reqs:
             request = running[req_index]
             placeholders = request.num_output_placeholders
             if placeholders and (
@@ -295,12 +305,13 @@ class Scheduler:
         kv = self.kv_cache_manager
         waiting = self.waiting
         skipped: list[Request] = []
-        while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+        while (waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs
+               and len(num_scheduled_tokens) < self.max_reqs_per_step):
             request = waiting.peek_request()
-            if request.num_output_placeholders:
-                # NOTE: preempted while a step that samples for it was in
-                # flight; its token arrives with that step's output, then it
-                # can be resumed with all its tokens known.
+            if request.num_steps_in_flight:
+                # NOTE: preempted while a step holding it was in flight; a token
+                # it samples arrives with that step's output, then it can be
+                # resumed with all its tokens known.
                 skipped.append(waiting.pop_request())
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
@@ -361,6 +372,7 @@ class Scheduler:
         async_scheduling = self.async_scheduling
         for request in requests:
             request.num_computed_tokens += num_scheduled[request.req_id]
+            request.num_steps_in_flight += 1
             if (
                 async_scheduling
                 and request.num_computed_tokens
@@ -389,6 +401,7 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while this step was in flight
+            request.num_steps_in_flight -= 1
             index = req_id_to_index.get(req_id)
             if index is None:
                 continue

@@ -132,6 +132,19 @@ class InputBatch:
         self.block_table[slot, n : n + k] = block_ids
         self.num_blocks[slot] = n + k
 
+    def record_sampled(self, req_ids: list[str], slots: np.ndarray, first_pos: np.ndarray,
+                       sampled: list[list[int]]) -> None:
+        """Keep a finished step's sampled tokens (those of request i start at position
+        first_pos[i]) so later steps feed them from the host: a step whose tokens are all
+        known does not wait for the previous step's sampler (pipeline microbatches)."""
+        L = self.max_model_len
+        for req_id, slot, pos, toks in zip(req_ids, slots.tolist(), first_pos.tolist(), sampled):
+            # Only the request still in that slot, and only right after its known tokens.
+            if toks and self.req_id_to_slot.get(req_id) == slot and self.num_known_tokens[slot] == pos:
+                end = min(pos + len(toks), L)
+                self.token_ids[slot, pos:end] = toks[: end - pos]
+                self.num_known_tokens[slot] = end
+
     def remove_request(self, req_id: str) -> None:
         slot = self.req_id_to_slot.pop(req_id, None)
         if slot is not None:

@@ -27,7 +27,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,12 @@ class ModelRunner:
         # argument shardings, or the first real step would compile again.
         # (From NumPy: across hosts, device_put takes host data, not another device's array.)
         self.last_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
+        # Stage 0's input when every token of a step is known on the host: not the previous
+        # step's last_sampled, so it need not wait for that step's sampler.
+        self._no_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
+        # Tests and tools: called as (step, stage index, stage output) after each dispatch.
+        self.stage_observer: Callable[[int, int, Any], None] | None = None
+        self._num_steps = 0
         self.penalties = jax.device_put(
             PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32),
                          np.zeros((S, V), bool), np.full((S, MAX_LOGIT_BIAS), V, np.int32),
@@ -168,12 +174,15 @@ class ModelRunner:
         Returns the sampled rows' final states, and with `all_rows` every token's too."""
         T = inp.input_ids.shape[0]
         buf = self.forward_packing(T).pack(as_dict(inp))
-        x = self.last_sampled
+        x = self.last_sampled if (inp.prev_slot >= 0).any() else self._no_sampled
+        self._num_steps += 1
         for st in self.stages:
             if len(self.stages) > 1:
                 x = jax.device_put(x, st.replicated)
             st.kv_cache, x = self._stage(st.index, T, all_rows and st.is_last, st.params,
                                          st.kv_cache, x, jax.device_put(buf, st.replicated))
+            if self.stage_observer is not None:
+                self.stage_observer(self._num_steps, st.index, x)
         return x
 
     def _prompt_logprobs_impl(self, params, hidden, targets):
@@ -321,8 +330,9 @@ class ModelRunner:
             md, *(() if bitmask is None else (bitmask,)))
         facts = StepFacts(self.sample_time_s.get((R, mode, per_req is not None), 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
+        first_pos = inp.kv_lens[: len(req_ids)] - (0 if per_req is None else per_req - 1)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
-                          prompt_out, facts, per_req)
+                          prompt_out, facts, per_req, (slots, first_pos))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()
@@ -417,9 +427,11 @@ class ModelRunner:
         return self.sampler_packing(R, verify is not None).pack(values), mode
 
     def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
-                   num_logprobs: np.ndarray, per_req: np.ndarray | None = None) -> ModelRunnerOutput:
+                   num_logprobs: np.ndarray, per_req: np.ndarray | None = None,
+                   positions: tuple[np.ndarray, np.ndarray] | None = None) -> ModelRunnerOutput:
         """`per_req`: each request's rows in a verification step (its accepted drafts and
-        final token come back; a request with logprobs has one row, having no drafts)."""
+        final token come back; a request with logprobs has one row, having no drafts).
+        `positions`: the requests' slots and first sampled positions at dispatch."""
         n = len(req_ids)
         if out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -433,6 +445,8 @@ class ModelRunner:
             tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
             sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
                        for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
+        if positions is not None:
+            self.batch.record_sampled(req_ids, *positions, sampled)
         logprobs = None
         if (num_logprobs >= 0).any():
             ids = _host(out.logprob_token_ids)[first]

@@ -57,17 +57,18 @@ class StepHandle:
     def __init__(self, runner: ModelRunner, req_ids: list[str], samples: np.ndarray,
                  out: SamplerOutput | None, num_logprobs: np.ndarray,
                  prompt: tuple[Any, list[PromptLogprobRows]] | None = None,
-                 facts: StepFacts | None = None, per_req: np.ndarray | None = None) -> None:
+                 facts: StepFacts | None = None, per_req: np.ndarray | None = None,
+                 positions: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self._runner, self._req_ids, self._samples = runner, req_ids, samples
         self._out, self._num_logprobs, self._prompt = out, num_logprobs, prompt
-        self._facts, self._per_req = facts, per_req
+        self._facts, self._per_req, self._positions = facts, per_req, positions
         self._result: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
             self._result = self._runner._to_output(
-                self._req_ids, self._samples, self._out, self._num_logprobs, self._per_req
-            )
+                self._req_ids, self._samples, self._out, self._num_logprobs, self._per_req,
+                self._positions)
             if self._prompt is not None:
                 self._result.prompt_logprobs = self._runner._prompt_output(*self._prompt)
             if self._facts is not None:

@@ -27,6 +27,7 @@ def make_scheduler(
     async_scheduling: bool = False,
     enable_chunked_prefill: bool = True,
     speculative_config: SpeculativeConfig | None = None,
+    num_microbatches: int = 1,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -41,6 +42,7 @@ def make_scheduler(
         num_blocks=num_blocks,
         eos_token_id=EOS,
         speculative_config=speculative_config,
+        num_microbatches=num_microbatches,
     )
 
 

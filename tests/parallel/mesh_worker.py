@@ -26,6 +26,7 @@ def main() -> None:
     import jax
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.parallel.stage_timeline import StageTimeline
 
     model = None if sys.argv[1] == "default" else sys.argv[1]
     results = {}
@@ -34,6 +35,7 @@ def main() -> None:
         llm = LLM(model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         startup = time.perf_counter() - t0
+        timeline = StageTimeline.attach(llm.engine.worker.runner) if pp > 1 else None
         t0 = time.perf_counter()
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         gen = time.perf_counter() - t0
@@ -48,6 +50,10 @@ def main() -> None:
             "startup_s": startup, "compile_s": worker.timings.get("compile_s"), "generate_s": gen,
             "shardings": shardings,
         }
+        if timeline is not None:
+            timeline.stop()
+            results[f"{tp}x{pp}"]["overlapped_steps"] = timeline.overlapped_steps()
+            results[f"{tp}x{pp}"]["timeline"] = timeline.format()
         del llm
     print("RESULTS " + json.dumps(results))
 

@@ -50,8 +50,10 @@ def requests(n: int) -> list[list[dict[str, str]]]:
     return out
 
 
-def run(spec: dict | None, conc: int, n: int, max_tokens: int) -> tuple[float, list, dict]:
-    llm = LLM(max_model_len=2048, max_num_seqs=max(conc, 1), speculative_config=spec)
+def run(spec: dict | None, conc: int, n: int, max_tokens: int,
+        async_scheduling: bool = True) -> tuple[float, list, dict]:
+    llm = LLM(max_model_len=2048, max_num_seqs=max(conc, 1), speculative_config=spec,
+              async_scheduling=async_scheduling)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     msgs = requests(n)
     llm.chat(msgs[:1], sp, use_tqdm=False)  # first-request costs out of the timing
@@ -85,6 +87,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per run (default: 8 at concurrency 1, else 2 x concurrency)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--sync-baseline", action="store_true",
+                   help="the 'off' run without async scheduling too (what speculation turns off)")
     a = p.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": a.k}
     if a.prompt_lookup_min is not None:
@@ -94,11 +98,12 @@ def main() -> None:
     print(f"speculative_config={spec}")
     for conc in a.concurrency:
         n = a.num_requests or (8 if conc == 1 else 2 * conc)
-        off, off_tokens, _ = run(None, conc, n, a.max_tokens)
+        off, off_tokens, _ = run(None, conc, n, a.max_tokens, not a.sync_baseline)
         on, on_tokens, info = run(spec, conc, n, a.max_tokens)
         same = sum(x == y for x, y in zip(off_tokens, on_tokens))
         extra = "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
-        print(f"concurrency {conc:3d}: {n} requests, {sum(map(len, on_tokens))} tokens | off "
+        off_name = "off (sync)" if a.sync_baseline else "off"
+        print(f"concurrency {conc:3d}: {n} requests, {sum(map(len, on_tokens))} tokens | {off_name} "
               f"{off:6.1f} tok/s | ngram {on:6.1f} tok/s | x{on / off:.2f} | identical "
               f"{same}/{n} | {extra}", flush=True)
 

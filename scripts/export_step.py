@@ -21,13 +21,13 @@ platform and shape set).
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import export
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
@@ -37,7 +37,9 @@ from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.config import ParallelConfig
-from jaxserve.worker.model_runner import ModelRunner, PenaltyState
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.penalty_state import PenaltyState
+from jaxserve.worker.sampler_inputs import sampler_packing
 from jaxserve.worker.sampler import SamplerMode
 from jaxserve.worker.worker import AUTO_ATTENTION_BACKEND
 
@@ -85,7 +87,8 @@ def build_runner(shapes: str, platform: str) -> tuple[ModelRunner, jax.ShapeDtyp
     stage = Stage(0, (0, arch.num_hidden_layers), mesh, model, params, True, True, kv)
     runner = ModelRunner([stage], max_num_seqs=MAX_NUM_SEQS,
                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+                         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                         max_verify_rows=MAX_NUM_SEQS * 4)  # n-gram drafts, k = 3
     return runner, kv
 
 
@@ -157,17 +160,21 @@ def export_step(shapes: str, platform: str) -> list[Report]:
             problems.append(f"{extra} inputs besides the weights, expected 3")
         reports.append(Report(f"forward[T={T}]", not problems,
                               "; ".join(problems) or "cache aliased, no host sync, 1 upload"))
-    R = runner.request_buckets[-1]
-    hidden = jax.ShapeDtypeStruct((S, H), jnp.bfloat16)
+    hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), jnp.bfloat16)
     penalties = jax.eval_shape(lambda: runner.penalties)
     assert isinstance(penalties, PenaltyState)
-    sample = jax.jit(runner._sample_impl, static_argnums=(0, 1), donate_argnums=(4, 5))
-    for mode in SamplerMode:
-        buf = jax.ShapeDtypeStruct((runner.sampler_packing(R).size,), jnp.int32)
+    sample = jax.jit(runner._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
+    # verify: speculative decoding's rejection sampler (its row buckets, when configured).
+    programs = [(runner.request_buckets[-1], False)]
+    if runner.verify_buckets:
+        programs.append((runner.verify_buckets[-1], True))
+    for (R, verify), mode in itertools.product(programs, SamplerMode):
+        buf = jax.ShapeDtypeStruct((sampler_packing(R, verify).size,), jnp.int32)
         exp = export.export(sample, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
-            R, mode, stage.params, hidden, last_sampled, penalties, buf)
+            R, mode, verify, stage.params, hidden, last_sampled, penalties, buf)
         problems = check_program(exp, None)
-        reports.append(Report(f"sample[R={R}, {mode.value}]", not problems,
+        name = "verify" if verify else "sample"
+        reports.append(Report(f"{name}[R={R}, {mode.value}]", not problems,
                               "; ".join(problems) or "no host sync, 1 upload"))
     return reports
 

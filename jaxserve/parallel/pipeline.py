@@ -8,8 +8,9 @@
 
 Each stage is its own compiled program on its own devices; the hidden states
 move between stages with an asynchronous device_put. Because JAX dispatch is
-asynchronous, the engine core keeps up to `pp` steps in flight and stage 0 of
-step N+1 can run while a later stage still works on step N.
+asynchronous, the engine core keeps up to `pp` steps in flight (microbatches:
+each with requests of its own, whose input tokens are all known on the host),
+so stage 0 of step N+1 runs while a later stage still works on step N.
 """
 
 from __future__ import annotations

@@ -17,18 +17,18 @@ all compiled at warm-up):
 (* donated: updated in place.) Each program's per-step inputs travel as one packed
 int32 buffer (packing.py): one upload per program per step. The sampled tokens stay on
 the device in `last_sampled[slot]`, where the next step's forward reads them, so the host
-can prepare step N+1 before step N's tokens come back (async scheduling).
+can prepare step N+1 before step N's tokens come back (async scheduling); once they are
+back the batch keeps them too, and a step whose tokens are all known does not wait for
+the previous step's sampler (pipeline microbatches).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,9 +43,11 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
+from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs
 from jaxserve.worker.rejection_sampler import rejection_sample
+from jaxserve.worker.sampler_inputs import sampler_packing, sampling_inputs, verify_inputs
 from jaxserve.worker.step_handle import CompileMonitor, PromptLogprobRows, StepFacts, StepHandle
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
     SamplerMode,
@@ -68,18 +70,6 @@ def request_seed(engine_seed: int, req_id: str) -> int:
 def _host(x: jax.Array) -> np.ndarray:
     """A replicated array on the host; across processes, this process's own copy."""
     return np.asarray(x.addressable_data(0))
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class PenaltyState:
-    """The sampler's per-slot state on device, set when a request takes its slot."""
-
-    prompt_mask: jax.Array  # bool[S, V]
-    output_counts: jax.Array  # i32[S, V]
-    stop_mask: jax.Array  # bool[S, V]: EOS and stop_token_ids, masked before min_tokens
-    bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS]; V = unused entry
-    bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS]
 
 
 class ModelRunner:
@@ -123,11 +113,7 @@ class ModelRunner:
         # Tests and tools: called as (step, stage index, stage output) after each dispatch.
         self.stage_observer: Callable[[int, int, Any], None] | None = None
         self._num_steps = 0
-        self.penalties = jax.device_put(
-            PenaltyState(np.zeros((S, V), bool), np.zeros((S, V), np.int32),
-                         np.zeros((S, V), bool), np.full((S, MAX_LOGIT_BIAS), V, np.int32),
-                         np.zeros((S, MAX_LOGIT_BIAS), np.float32)), replicated
-        )
+        self.penalties = jax.device_put(PenaltyState.zeros(S, V), replicated)
         self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
@@ -135,7 +121,7 @@ class ModelRunner:
             self._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
             out_shardings=replicated,
         )
-        self._admit = jax.jit(self._admit_impl, donate_argnums=(0,))
+        self._admit = jax.jit(admit, donate_argnums=(0,))
         # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
         # traces split a step's device time into forward and sampler with it.
         self.sample_time_s: dict[tuple[int, SamplerMode, bool], float] = {}
@@ -228,23 +214,9 @@ class ModelRunner:
                 ids[sl, :k].tolist(), lps[sl, :k].tolist(), ranks[sl].tolist()))
         return result
 
-    @staticmethod
-    @functools.cache
-    def sampler_packing(num_rows: int, verify: bool = False) -> Packing:
-        R = (num_rows,)
-        # verify: each row's draft (-1: none) and the index of its request's first row.
-        drafts = (("draft_ids", R, "i32"), ("group_first", R, "i32")) if verify else ()
-        return Packing((*drafts,
-            ("slots", R, "i32"), ("real", R, "bool"), ("temperature", R, "f32"),
-            ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
-            ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
-            ("presence_penalty", R, "f32"), ("seeds", R, "u32"), ("positions", R, "i32"),
-            ("min_tokens_end", R, "i32"),
-        ))
-
     def _sample_impl(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
                      last_sampled, penalties: PenaltyState, buf, bitmask=None):
-        u = self.sampler_packing(num_rows, verify).unpack(buf)
+        u = sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
         drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
         md = SamplingMetadata(**u)
@@ -262,25 +234,6 @@ class ModelRunner:
         counted = jnp.where(real if not verify else real & out.emitted, slots, S)
         counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
         return last_sampled, dataclasses.replace(penalties, output_counts=counts), out
-
-    def _admit_impl(self, penalties: PenaltyState, slot, prompt_ids, output_ids, stop_ids,
-                    bias_ids, bias_values):
-        """Reset a slot's rows: penalties from its prompt (and outputs, when resumed), the
-        ids min_tokens masks, its logit biases.
-
-        Id arrays are padded with `vocab_size`, which `mode="drop"` discards.
-        """
-        V = penalties.prompt_mask.shape[1]
-        mask = jnp.zeros((V,), bool).at[prompt_ids].set(True, mode="drop")
-        counts = jnp.zeros((V,), jnp.int32).at[output_ids].add(1, mode="drop")
-        stop = jnp.zeros((V,), bool).at[stop_ids].set(True, mode="drop")
-        return PenaltyState(
-            penalties.prompt_mask.at[slot].set(mask),
-            penalties.output_counts.at[slot].set(counts),
-            penalties.stop_mask.at[slot].set(stop),
-            penalties.bias_ids.at[slot].set(bias_ids),
-            penalties.bias_values.at[slot].set(bias_values),
-        )
 
     # ---- per step ----------------------------------------------------------------------
 
@@ -301,11 +254,11 @@ class ModelRunner:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T, num_drafts, drafts)
             per_req = num_drafts + 1
             R = pad_to_bucket(int(per_req.sum()), self.verify_buckets)
-            md, mode = self._verify_inputs(inp, slots, samples, num_drafts, drafts, R)
+            md, mode = verify_inputs(self.batch, inp, slots, samples, num_drafts, drafts, R)
         else:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
             R = pad_to_bucket(len(req_ids), self.request_buckets)
-            md, mode = self._sampling_inputs(slots, samples, inp.kv_lens[: len(req_ids)], R)
+            md, mode = sampling_inputs(self.batch, slots, samples, inp.kv_lens[: len(req_ids)], R)
         prompt = self._prompt_rows(req_ids, slots, inp, T)
         hidden = self._forward(inp, all_rows=prompt is not None)
         prompt_out = None
@@ -360,71 +313,10 @@ class ModelRunner:
             stop = p.all_stop_token_ids(new.eos_token_id) if p.min_tokens else ()
             self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias)
 
-    def _admit_slot(self, slot: int, prompt: list[int], outputs: list[int],
-                    stop_ids: Collection[int] = (),
-                    logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
-        L, V = self.batch.max_model_len, self.model.cfg.vocab_size
-        prompt_ids = np.full(L, V, np.int32)
-        prompt_ids[: len(prompt)] = prompt
-        output_ids = np.full(L, V, np.int32)
-        output_ids[: len(outputs)] = outputs
-        stop = np.fromiter((t for t in stop_ids if t < V), np.int32)
-        stop_arr = np.full(L, V, np.int32)  # padded like the others: one compiled program
-        stop_arr[: min(len(stop), L)] = stop[:L]
-        bias_ids = np.full(MAX_LOGIT_BIAS, V, np.int32)
-        bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
-        for i, (tok, b) in enumerate(logit_bias):
-            bias_ids[i], bias_values[i] = min(tok, V), b  # ids >= V: dropped on device
-        self.penalties = self._admit(self.penalties, np.int32(slot), prompt_ids, output_ids,
-                                     stop_arr, bias_ids, bias_values)
-
-    def _verify_inputs(self, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
-                       num_drafts: np.ndarray, drafts: list[int], R: int
-                       ) -> tuple[np.ndarray, SamplerMode]:
-        """The rejection sampler's packed inputs: request i's 1 + num_drafts[i] rows, row j
-        sampling position kv_len - num_drafts[i] + j and verifying draft j (none on the last)."""
-        n = len(slots)
-        per_req = num_drafts + 1
-        group = np.repeat(np.arange(n), per_req)
-        first = np.cumsum(per_req) - per_req
-        within = np.arange(len(group)) - first[group]
-        positions = inp.kv_lens[group] - num_drafts[group] + within
-        draft_ids = np.full(R, -1, np.int32)
-        last = within == num_drafts[group]
-        draft_ids[np.flatnonzero(~last)] = drafts
-        group_first = np.arange(R, dtype=np.int32)  # padding rows: a group of their own
-        group_first[: len(group)] = first[group]
-        return self._sampling_inputs(slots[group], samples[group], positions, R,
-                                     {"draft_ids": draft_ids, "group_first": group_first})
-
-    def _sampling_inputs(self, slots: np.ndarray, samples: np.ndarray, positions: np.ndarray,
-                         R: int, verify: dict[str, np.ndarray] | None = None
-                         ) -> tuple[np.ndarray, SamplerMode]:
-        """The sampler's packed per-row inputs for R (padded) rows, and the batch's mode.
-        `positions`: the index in its sequence of each row's sampled token."""
-        b, n, S = self.batch, len(slots), self.max_num_seqs
-
-        def rows(a: np.ndarray, fill: Any) -> np.ndarray:
-            out = np.full(R, fill, a.dtype)
-            out[:n] = a[slots]
-            return out
-
-        values = {
-            "slots": np.concatenate([slots, np.full(R - n, S, np.int32)]),  # S: dropped
-            "real": np.concatenate([samples, np.zeros(R - n, bool)]),
-            "temperature": rows(b.temperature, 0.0), "top_k": rows(b.top_k, 0),
-            "top_p": rows(b.top_p, 1.0), "min_p": rows(b.min_p, 0.0),
-            "repetition_penalty": rows(b.repetition_penalty, 1.0),
-            "frequency_penalty": rows(b.frequency_penalty, 0.0),
-            "presence_penalty": rows(b.presence_penalty, 0.0),
-            "seeds": rows(b.seeds, 0),
-            "positions": np.concatenate([positions, np.zeros(R - n, np.int32)]),
-            "min_tokens_end": rows(b.min_tokens_end, 0),
-            **(verify or {}),
-        }
-        mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
-                                     b.min_p[slots])
-        return self.sampler_packing(R, verify is not None).pack(values), mode
+    def _admit_slot(self, slot: int, *args: Any) -> None:
+        """Reset `slot`'s sampler state for a request: admit_inputs' arguments."""
+        arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, *args)
+        self.penalties = self._admit(self.penalties, np.int32(slot), *arrays)
 
     def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
                    num_logprobs: np.ndarray, per_req: np.ndarray | None = None,
@@ -489,8 +381,8 @@ class ModelRunner:
                 bar.update()
             for R, verify in samplers:
                 no_rows = (empty, np.zeros(0, bool), empty)
-                md, _ = (self._verify_inputs(inp, *no_rows[:2], empty, [], R) if verify
-                         else self._sampling_inputs(*no_rows, R))
+                md, _ = (verify_inputs(self.batch, inp, *no_rows[:2], empty, [], R) if verify
+                         else sampling_inputs(self.batch, *no_rows, R))
                 for mode in modes:
                     for timed in (False, True):  # compile, then time a warm run
                         jax.block_until_ready(hidden)

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kernels_pallas
 from jaxserve.config import EngineConfig

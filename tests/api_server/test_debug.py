@@ -15,7 +15,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer

@@ -22,8 +22,9 @@ _spec.loader.exec_module(export_step)
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_step_exports_device_clean(platform: str, shapes: str) -> None:
     reports = export_step.export_step(shapes, platform)
-    assert {r.name.split("[")[0] for r in reports} == {"forward", "sample"}
-    assert len(reports) == 2 + 3  # two token buckets, three sampler modes
+    assert {r.name.split("[")[0] for r in reports} == {"forward", "sample", "verify"}
+    # Two token buckets; three sampler modes, plain and verifying drafts (speculative decoding).
+    assert len(reports) == 2 + 3 + 3
     for r in reports:
         assert r.ok, f"{r.name}: {r.detail}"
 

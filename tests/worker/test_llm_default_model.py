@@ -7,7 +7,6 @@ import json
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams

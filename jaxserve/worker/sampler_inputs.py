@@ -1,0 +1,82 @@
+"""The sampler's per-row inputs, built on the host from the input batch (vLLM's sampling
+metadata): one packed int32 buffer per step, R (padded) rows.
+
+A plain step has one row per request. A verification step (speculative decoding) has
+1 + k rows for a request with k drafts: row j samples the token at position
+kv_len - k + j and verifies draft j (none on the last row).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from jaxserve.worker.input_batch import InputBatch, StepInputs
+from jaxserve.worker.packing import Packing
+from jaxserve.worker.sampler import SamplerMode
+
+
+@functools.cache
+def sampler_packing(num_rows: int, verify: bool = False) -> Packing:
+    """The packed layout of R rows (with `verify`, the rejection sampler's two more)."""
+    R = (num_rows,)
+    # verify: each row's draft (-1: none) and the index of its request's first row.
+    drafts = (("draft_ids", R, "i32"), ("group_first", R, "i32")) if verify else ()
+    return Packing((*drafts,
+        ("slots", R, "i32"), ("real", R, "bool"), ("temperature", R, "f32"),
+        ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
+        ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
+        ("presence_penalty", R, "f32"), ("seeds", R, "u32"), ("positions", R, "i32"),
+        ("min_tokens_end", R, "i32"),
+    ))
+
+
+def sampling_inputs(b: InputBatch, slots: np.ndarray, samples: np.ndarray,
+                    positions: np.ndarray, R: int,
+                    verify: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, SamplerMode]:
+    """Packed per-row inputs for R (padded) rows, and the batch's mode. Row i reads slot
+    slots[i]; `positions`: the index in its sequence of each row's sampled token."""
+    n, S = len(slots), b.max_num_seqs
+
+    def rows(a: np.ndarray, fill: Any) -> np.ndarray:
+        out = np.full(R, fill, a.dtype)
+        out[:n] = a[slots]
+        return out
+
+    values = {
+        "slots": np.concatenate([slots, np.full(R - n, S, np.int32)]),  # S: dropped
+        "real": np.concatenate([samples, np.zeros(R - n, bool)]),
+        "temperature": rows(b.temperature, 0.0), "top_k": rows(b.top_k, 0),
+        "top_p": rows(b.top_p, 1.0), "min_p": rows(b.min_p, 0.0),
+        "repetition_penalty": rows(b.repetition_penalty, 1.0),
+        "frequency_penalty": rows(b.frequency_penalty, 0.0),
+        "presence_penalty": rows(b.presence_penalty, 0.0),
+        "seeds": rows(b.seeds, 0),
+        "positions": np.concatenate([positions, np.zeros(R - n, np.int32)]),
+        "min_tokens_end": rows(b.min_tokens_end, 0),
+        **(verify or {}),
+    }
+    mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
+                                 b.min_p[slots])
+    return sampler_packing(R, verify is not None).pack(values), mode
+
+
+def verify_inputs(b: InputBatch, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
+                  num_drafts: np.ndarray, drafts: list[int], R: int
+                  ) -> tuple[np.ndarray, SamplerMode]:
+    """The rejection sampler's packed inputs: request i's 1 + num_drafts[i] rows."""
+    n = len(slots)
+    per_req = num_drafts + 1
+    group = np.repeat(np.arange(n), per_req)
+    first = np.cumsum(per_req) - per_req
+    within = np.arange(len(group)) - first[group]
+    positions = inp.kv_lens[group] - num_drafts[group] + within
+    draft_ids = np.full(R, -1, np.int32)
+    last = within == num_drafts[group]
+    draft_ids[np.flatnonzero(~last)] = drafts
+    group_first = np.arange(R, dtype=np.int32)  # padding rows: a group of their own
+    group_first[: len(group)] = first[group]
+    return sampling_inputs(b, slots[group], samples[group], positions, R,
+                           {"draft_ids": draft_ids, "group_first": group_first})

@@ -208,6 +208,13 @@ class EngineConfig:
     request_tracing: bool = True
     speculative_config: SpeculativeConfig | None = None
 
+    @property
+    def num_microbatches(self) -> int:
+        """Steps in flight with requests of their own: with pipeline stages, async
+        scheduling runs as pp microbatches (engine.py), so that the stages overlap."""
+        pp = self.parallel_config.pipeline_parallel_size
+        return pp if pp > 1 and self.scheduler_config.async_scheduling else 1
+
 
 def make_engine_config(
     model: str | None = None,

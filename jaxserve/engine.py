@@ -63,11 +63,10 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     if worker.distributed.process_id != 0:
         raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
     sc = config.scheduler_config
-    pp = config.parallel_config.pipeline_parallel_size
     # With pipeline stages, async scheduling becomes microbatches: pp steps in flight with
     # requests of their own, so each step's stage 0 needs nothing from the step before and
     # the stages overlap (feeding a step the previous one's tokens would chain them).
-    microbatches = pp if pp > 1 and sc.async_scheduling else 1
+    microbatches = config.num_microbatches
     if microbatches > 1:
         sc = dataclasses.replace(sc, async_scheduling=False)
     # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).

@@ -17,9 +17,9 @@ all compiled at warm-up):
 (* donated: updated in place.) Each program's per-step inputs travel as one packed
 int32 buffer (packing.py): one upload per program per step. The sampled tokens stay on
 the device in `last_sampled[slot]`, where the next step's forward reads them, so the host
-can prepare step N+1 before step N's tokens come back (async scheduling); once they are
-back the batch keeps them too, and a step whose tokens are all known does not wait for
-the previous step's sampler (pipeline microbatches).
+can prepare step N+1 before step N's tokens come back (async scheduling). Without async
+scheduling's placeholders the batch also keeps them once they are back, and a step whose
+tokens are all known does not wait for the previous step's sampler (pipeline microbatches).
 """
 
 from __future__ import annotations
@@ -84,9 +84,12 @@ class ModelRunner:
         min_token_bucket: int = MIN_TOKEN_BUCKET,
         seed: int = 0,
         max_verify_rows: int = 0,
+        record_sampled: bool = True,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
-        most logits rows a step with drafts has (requests plus their drafts)."""
+        most logits rows a step with drafts has (requests plus their drafts).
+        `record_sampled`: keep sampled tokens in the input batch once a step's result is
+        read (steps whose tokens are all known then do not wait for the previous sampler)."""
         self.stages = stages
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
@@ -97,6 +100,7 @@ class ModelRunner:
         self.request_buckets = request_buckets(max_num_seqs)
         V = self.model.cfg.vocab_size
         self.max_verify_rows = max_verify_rows
+        self.record_sampled = record_sampled
         # Rows of final states the forward keeps: one per request, or per draft row.
         self.num_logit_rows = max(S, max_verify_rows)
         self.verify_buckets = request_buckets(max_verify_rows) if max_verify_rows else ()
@@ -285,7 +289,8 @@ class ModelRunner:
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         first_pos = inp.kv_lens[: len(req_ids)] - (0 if per_req is None else per_req - 1)
         return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
-                          prompt_out, facts, per_req, (slots, first_pos))
+                          prompt_out, facts, per_req,
+                          (slots, first_pos) if self.record_sampled else None)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()

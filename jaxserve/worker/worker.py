@@ -159,7 +159,7 @@ class Worker:
         itemsize = jnp.dtype(self.dtype).itemsize
         activations = 8 * sc.max_num_batched_tokens * (
             self.arch.hidden_size + self.arch.intermediate_size + self.arch.q_size
-        ) * itemsize + 4 * sc.max_num_seqs * self.arch.vocab_size * 4
+        ) * itemsize + 4 * max(sc.max_num_seqs, _max_verify_rows(self.config)) * self.arch.vocab_size * 4
         budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
         return max(budget - int(stats["bytes_in_use"]) - activations, 0)
 
@@ -179,6 +179,10 @@ class Worker:
             min_token_bucket=MIN_TOKEN_BUCKET_CPU if self.platform == "cpu" else MIN_TOKEN_BUCKET,
             seed=self.config.model_config.seed,
             max_verify_rows=_max_verify_rows(self.config),
+            # Not under async scheduling's placeholders: there a step is prepared before the
+            # previous one's tokens are back, and when a multi-host follower (which waits for
+            # each step at once) would know them, its inputs would differ from process 0's.
+            record_sampled=not (sc.async_scheduling and self.config.num_microbatches == 1),
         )
 
     def compile_or_warm_up(self) -> None:

@@ -41,7 +41,12 @@ from jaxserve.engine_core.request import InvalidRequestError, Request, RequestSt
 from jaxserve.engine_core.request_queue import create_request_queue
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_new_request, check_stop
-from jaxserve.engine_core.spec_decode import DraftPolicy, NgramProposer, SpecDecodingStats
+from jaxserve.engine_core.spec_decode import (
+    MAX_DRAFT_TOKENS_PER_STEP,
+    DraftPolicy,
+    NgramProposer,
+    SpecDecodingStats,
+)
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 
@@ -169,6 +174,7 @@ class Scheduler:
         scheduled_new_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
         self._spec_tokens = {}
+        self._draft_room = MAX_DRAFT_TOKENS_PER_STEP
 
         token_budget = self._schedule_running(
             self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
@@ -245,8 +251,10 @@ class Scheduler:
                 continue
             drafts = None
             if num_new_tokens == 1 and self.proposer and len(running) <= self.spec_batch_limit:
-                drafts = self.proposer.propose_for(request, token_budget - 1, max_model_len)
+                drafts = self.proposer.propose_for(
+                    request, min(token_budget - 1, self._draft_room), max_model_len)
                 num_new_tokens += len(drafts)
+                self._draft_room -= len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -260,7 +268,7 @@ class Scheduler:
                         scheduled_running_reqs.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.req_id)
                         del req_to_new_blocks[victim.req_id]
-                        self._spec_tokens.pop(victim.req_id, None)
+                        self._draft_room += len(self._spec_tokens.pop(victim.req_id, ()))
                 self._preempt_request(victim, now)
                 preempted_reqs.append(victim)
                 if victim is request:

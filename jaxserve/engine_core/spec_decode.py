@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from jaxserve.engine_core.request import Request
 
 
+# Draft tokens one step verifies at most: the verification sampler is compiled for up to
+# max_num_seqs + this many rows, and where drafting pays (a step bound by reading weights)
+# a few requests' drafts already fill it.
+MAX_DRAFT_TOKENS_PER_STEP = 64
+
+
 class NgramProposer:
     """Prompt-lookup drafts from a request's own tokens."""
 

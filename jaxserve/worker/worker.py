@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import kernels_pallas
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
@@ -202,9 +203,11 @@ class Worker:
 
 def _max_verify_rows(config: EngineConfig) -> int:
     """The most logits rows of a step with drafts (0: no speculative decoding): requests
-    speculate only while at most `disable_by_batch_size` run, each with k + 1 rows."""
+    speculate only while at most `disable_by_batch_size` run, each with k + 1 rows, and a
+    step carries at most MAX_DRAFT_TOKENS_PER_STEP drafts."""
     spec, sc = config.speculative_config, config.scheduler_config
     if spec is None:
         return 0
     requests = min(sc.max_num_seqs, spec.disable_by_batch_size or sc.max_num_seqs)
-    return min(requests * (spec.num_speculative_tokens + 1), sc.max_num_batched_tokens)
+    return min(requests * (spec.num_speculative_tokens + 1), sc.max_num_batched_tokens,
+               sc.max_num_seqs + MAX_DRAFT_TOKENS_PER_STEP)

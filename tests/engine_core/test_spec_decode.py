@@ -9,7 +9,7 @@ import pytest
 from jaxserve.config import SpeculativeConfig, make_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.request import Request
-from jaxserve.engine_core.spec_decode import DraftPolicy, NgramProposer
+from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP, DraftPolicy, NgramProposer
 from jaxserve.sampling_params import SamplingParams
 
 from .fake_worker import FakeWorker
@@ -167,6 +167,21 @@ def test_scheduler_drops_drafts_that_do_not_pay() -> None:
     assert not any(so.scheduled_spec_decode_tokens for so in worker.steps)
     assert all(n == 1 for so in worker.steps[1:] for n in so.num_scheduled_tokens.values())
     assert sched.draft_policy.step_s  # the engine core fed it step times
+
+
+def test_a_step_verifies_at_most_max_draft_tokens() -> None:
+    spec = SpeculativeConfig(7, prompt_lookup_min=1)
+    sched = make_scheduler(speculative_config=spec, max_num_seqs=32, max_num_batched_tokens=512,
+                           max_model_len=64, num_blocks=600)
+    sched.draft_policy.pays = lambda *_: True
+    worker = FakeWorker(600, BS, eos_token_id=EOS, token_fn=cyclic_token)
+    core = EngineCore(sched, worker)
+    for i in range(20):
+        core.add_request(Request(f"r{i}", CYCLE * 2, SamplingParams(max_tokens=24)))
+    while core.has_work():
+        core.step()
+    per_step = [sum(map(len, so.scheduled_spec_decode_tokens.values())) for so in worker.steps]
+    assert max(per_step) == MAX_DRAFT_TOKENS_PER_STEP  # 20 requests x 7 would be 140
 
 
 def test_async_scheduling_with_speculation_is_refused() -> None:

@@ -109,6 +109,7 @@ class Scheduler:
         self.spec_batch_limit = (spec and spec.disable_by_batch_size) or self.max_num_running_reqs
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
         self._spec_tokens: dict[str, list[int]] = {}  # this step's drafts
+        self._draft_room = MAX_DRAFT_TOKENS_PER_STEP  # drafts this step may still take
 
     # --- requests in and out ------------------------------------------------
 
@@ -274,6 +275,7 @@ class Scheduler:
                 if victim is request:
                     break
             if new_blocks is None:
+                self._draft_room += len(drafts or ())
                 continue  # `request` preempted itself; running[req_index] is the next one
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.req_id] = new_blocks

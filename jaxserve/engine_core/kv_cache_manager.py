@@ -172,6 +172,18 @@ class KVCacheManager:
         )
         self.num_cached_block[req_id] = num_full_blocks
 
+    def cache_filled_pages(self, request: Request, num_new_tokens: int) -> None:
+        """Async scheduling: `num_new_tokens` real tokens just replaced placeholders. If a
+        page filled, register it now (dispatched steps compute its KV) rather than at the
+        request's next allocation."""
+        num_tokens, bs = request.num_tokens, self.block_size
+        if (
+            self.enable_caching
+            and request.num_computed_tokens > 0  # holds pages (was not preempted)
+            and num_tokens // bs != (num_tokens - num_new_tokens) // bs
+        ):
+            self.cache_blocks(request, min(request.num_computed_tokens, num_tokens))
+
     def free(self, request: Request) -> None:
         """Release the request's pages, last page first, so the deepest pages
         of a prefix are evicted before the shared shallow ones."""

@@ -113,3 +113,11 @@ def create_request_queue(policy: SchedulingPolicy) -> RequestQueue:
     if policy is SchedulingPolicy.PRIORITY:
         return PriorityRequestQueue()
     return FCFSRequestQueue()
+
+
+def select_victim(running: list[Request], policy: SchedulingPolicy) -> int:
+    """Index in `running` of the request to preempt when pages run out (O(n), rare): FCFS
+    the latest arrival; PRIORITY the highest priority value, then the latest arrival."""
+    if policy is SchedulingPolicy.PRIORITY:
+        return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time))
+    return max(range(len(running)), key=lambda i: running[i].arrival_time)

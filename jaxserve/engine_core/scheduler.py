@@ -32,21 +32,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
+from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
-from jaxserve.engine_core.request_queue import create_request_queue
+from jaxserve.engine_core.request_queue import create_request_queue, select_victim
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.sched_utils import check_new_request, check_stop
-from jaxserve.engine_core.spec_decode import (
-    MAX_DRAFT_TOKENS_PER_STEP,
-    DraftPolicy,
-    NgramProposer,
-    SpecDecodingStats,
-)
+from jaxserve.engine_core.spec_decode import Drafter
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 
@@ -104,12 +99,7 @@ class Scheduler:
             raise ValueError("speculative decoding and pipeline microbatches need "
                              "async_scheduling=False")
         self.max_reqs_per_step = -(-self.max_num_running_reqs // num_microbatches)
-        self.proposer = NgramProposer(spec) if spec is not None else None
-        self.draft_policy = DraftPolicy()
-        self.spec_batch_limit = (spec and spec.disable_by_batch_size) or self.max_num_running_reqs
-        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec else 0)
-        self._spec_tokens: dict[str, list[int]] = {}  # this step's drafts
-        self._draft_room = MAX_DRAFT_TOKENS_PER_STEP  # drafts this step may still take
+        self.drafter = Drafter(spec, self.max_num_running_reqs) if spec is not None else None
 
     # --- requests in and out ------------------------------------------------
 
@@ -174,15 +164,17 @@ class Scheduler:
         scheduled_running_reqs: list[Request] = []
         scheduled_new_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        self._spec_tokens = {}
-        self._draft_room = MAX_DRAFT_TOKENS_PER_STEP
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.start_step()
 
         token_budget = self._schedule_running(
             self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
             num_scheduled_tokens, preempted_reqs,
         )
-        if self._spec_tokens:
-            token_budget = self._keep_drafts_if_they_pay(token_budget, num_scheduled_tokens)
+        if drafter is not None:
+            token_budget = drafter.keep_if_they_pay(
+                token_budget, self.max_num_scheduled_tokens, num_scheduled_tokens)
         # NOTE: no admissions in a step that preempted: the pages just freed
         # would go to a newcomer and the preempted request would thrash.
         if not preempted_reqs:
@@ -205,7 +197,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted_reqs},
             grammar_bitmask=self.structured_output.step_bitmasks(num_scheduled_tokens),
-            scheduled_spec_decode_tokens=self._spec_tokens,
+            scheduled_spec_decode_tokens=drafter.step_drafts if drafter is not None else {},
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
@@ -228,6 +220,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         req_index = 0
         max_reqs = self.max_reqs_per_step
+        drafter = self.drafter
         while req_index < len(running) and token_budget > 0 and len(scheduled_running_reqs) < max_reqs:
             request = running[req_index]
             placeholders = request.num_output_placeholders
@@ -251,16 +244,14 @@ class Scheduler:
                 req_index += 1
                 continue
             drafts = None
-            if num_new_tokens == 1 and self.proposer and len(running) <= self.spec_batch_limit:
-                drafts = self.proposer.propose_for(
-                    request, min(token_budget - 1, self._draft_room), max_model_len)
+            if num_new_tokens == 1 and drafter is not None:
+                drafts = drafter.propose(request, len(running), token_budget, max_model_len)
                 num_new_tokens += len(drafts)
-                self._draft_room -= len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim_index = self._select_victim()
+                victim_index = select_victim(running, self.policy)
                 victim = running.pop(victim_index)
                 if victim_index < req_index:
                     req_index -= 1
@@ -269,39 +260,29 @@ class Scheduler:
                         scheduled_running_reqs.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.req_id)
                         del req_to_new_blocks[victim.req_id]
-                        self._draft_room += len(self._spec_tokens.pop(victim.req_id, ()))
+                        if drafter is not None:
+                            drafter.drop(victim.req_id)
                 self._preempt_request(victim, now)
                 preempted_reqs.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
-                self._draft_room += len(drafts or ())
+                if drafter is not None:
+                    drafter.give_back(drafts)
                 continue  # `request` preempted itself; running[req_index] is the next one
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.req_id] = new_blocks
             num_scheduled_tokens[request.req_id] = num_new_tokens
             if drafts:
-                self._spec_tokens[request.req_id] = drafts
+                drafter.step_drafts[request.req_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
         return token_budget
 
-    def _keep_drafts_if_they_pay(self, token_budget: int, num_scheduled: dict[str, int]) -> int:
-        """Drop this step's drafts unless DraftPolicy expects them to raise tokens/s; their
-        pages stay allocated (the request grows into them). Returns the budget left."""
-        num_drafts = sum(map(len, self._spec_tokens.values()))
-        num_tokens = self.max_num_scheduled_tokens - token_budget - num_drafts
-        if self.draft_policy.pays(num_tokens, num_drafts, len(num_scheduled)):
-            return token_budget
-        for req_id, drafts in self._spec_tokens.items():
-            num_scheduled[req_id] -= len(drafts)
-        self._spec_tokens = {}
-        return token_budget + num_drafts
-
     def observe_step_time(self, num_tokens: int, seconds: float) -> None:
         """A synchronous step's duration (the engine core's clock), for DraftPolicy."""
-        if self.proposer is not None:
-            self.draft_policy.observe_step(num_tokens, seconds)
+        if self.drafter is not None:
+            self.drafter.policy.observe_step(num_tokens, seconds)
 
     def _schedule_waiting(
         self,
@@ -351,15 +332,6 @@ class Scheduler:
         if skipped:
             waiting.prepend_requests(skipped)
         return token_budget
-
-    def _select_victim(self) -> int:
-        """Index in `running` of the request to preempt (O(n), rare)."""
-        running = self.running
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return max(
-                range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
-            )
-        return max(range(len(running)), key=lambda i: running[i].arrival_time)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         """Free the request's pages; it is recomputed from scratch when resumed.
@@ -424,8 +396,7 @@ class Scheduler:
             if drafts:
                 # Rejected drafts' KV is overwritten by the next steps.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-                self.spec_stats.observe(len(drafts), len(new_token_ids) - 1)
-                self.draft_policy.observe_drafts(len(drafts), len(new_token_ids) - 1)
+                self.drafter.verified(len(drafts), len(new_token_ids))
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             status_before = request.status
@@ -474,18 +445,7 @@ class Scheduler:
                 break
         if self.async_scheduling:
             request.num_output_placeholders -= len(new_token_ids)
-            num_tokens = request.num_tokens
-            bs = self.block_size
-            if (
-                self.kv_cache_manager.enable_caching
-                and request.num_computed_tokens > 0  # holds pages (was not preempted)
-                and num_tokens // bs != (num_tokens - len(new_token_ids)) // bs
-            ):
-                # A page just filled with real tokens whose KV dispatched steps
-                # compute: register it now rather than at the next allocation.
-                self.kv_cache_manager.cache_blocks(
-                    request, min(request.num_computed_tokens, num_tokens)
-                )
+            self.kv_cache_manager.cache_filled_pages(request, len(new_token_ids))
         return new_token_ids, stopped
 
     # --- state and stats ----------------------------------------------------
@@ -505,10 +465,9 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
-            spec_decoding_stats=self.spec_stats if self.proposer is not None else None,
+            spec_decoding_stats=self.drafter.take_stats() if self.drafter is not None else None,
         )
         self.num_preemptions = 0
-        self.spec_stats = SpecDecodingStats(self.spec_stats.num_spec_tokens)
         return stats
 
     def reset_prefix_cache(self) -> bool:

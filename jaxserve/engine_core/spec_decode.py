@@ -135,6 +135,64 @@ class DraftPolicy:
         return (num_sampled + self.acceptance * num_drafts) / with_drafts > num_sampled / without
 
 
+class Drafter:
+    """The scheduler's side of speculative decoding, one step at a time: drafts for
+    decoding requests (within the step's room and `disable_by_batch_size`), dropped unless
+    DraftPolicy says they pay, and what verification accepted (stats and policy)."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_seqs: int) -> None:
+        self.proposer = NgramProposer(config)
+        self.policy = DraftPolicy()
+        self.batch_limit = config.disable_by_batch_size or max_num_seqs
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        self.step_drafts: dict[str, list[int]] = {}  # this step's, by request id
+        self._room = MAX_DRAFT_TOKENS_PER_STEP  # drafts this step may still take
+
+    def start_step(self) -> None:
+        self.step_drafts = {}
+        self._room = MAX_DRAFT_TOKENS_PER_STEP
+
+    def propose(self, request: Request, num_running: int, token_budget: int,
+                max_model_len: int) -> list[int]:
+        """Drafts for a decoding request (it then computes 1 + len(drafts) tokens)."""
+        if num_running > self.batch_limit:
+            return []
+        drafts = self.proposer.propose_for(request, min(token_budget - 1, self._room),
+                                           max_model_len)
+        self._room -= len(drafts)
+        return drafts
+
+    def give_back(self, drafts: list[int] | None) -> None:
+        """Proposed drafts that were not scheduled (their request preempted itself)."""
+        self._room += len(drafts or ())
+
+    def drop(self, req_id: str) -> None:
+        """A scheduled request taken back out of the step (preempted)."""
+        self._room += len(self.step_drafts.pop(req_id, ()))
+
+    def keep_if_they_pay(self, token_budget: int, max_tokens: int,
+                         num_scheduled: dict[str, int]) -> int:
+        """Drop the step's drafts unless DraftPolicy expects them to raise tokens/s; their
+        pages stay allocated (the request grows into them). Returns the budget left."""
+        num_drafts = sum(map(len, self.step_drafts.values()))
+        if not num_drafts or self.policy.pays(max_tokens - token_budget - num_drafts,
+                                              num_drafts, len(num_scheduled)):
+            return token_budget
+        for req_id, drafts in self.step_drafts.items():
+            num_scheduled[req_id] -= len(drafts)
+        self.step_drafts = {}
+        return token_budget + num_drafts
+
+    def verified(self, num_drafts: int, num_emitted: int) -> None:
+        """A request's drafts came back with `num_emitted` tokens (accepted + one)."""
+        self.stats.observe(num_drafts, num_emitted - 1)
+        self.policy.observe_drafts(num_drafts, num_emitted - 1)
+
+    def take_stats(self) -> SpecDecodingStats:
+        stats, self.stats = self.stats, SpecDecodingStats(self.stats.num_spec_tokens)
+        return stats
+
+
 @dataclass
 class SpecDecodingStats:
     """Drafts since the previous snapshot (vLLM's names; Prometheus counters)."""

@@ -72,7 +72,8 @@ def cyclic_token(req_id: str, position: int) -> int:
 def run_engine(spec: SpeculativeConfig | None, num_blocks: int, caching: bool):
     sched = make_scheduler(num_blocks=num_blocks, max_model_len=72, max_num_batched_tokens=24,
                            enable_prefix_caching=caching, speculative_config=spec)
-    sched.draft_policy.pays = lambda *_: True  # the fake worker's step times mean nothing
+    if sched.drafter is not None:
+        sched.drafter.policy.pays = lambda *_: True  # the fake worker's step times mean nothing
     worker = FakeWorker(num_blocks, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
     for i in range(6):
@@ -108,7 +109,7 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps(num_blocks, caching) -
 def test_drafts_respect_budget_max_tokens_and_batch_size() -> None:
     spec = SpeculativeConfig(4, prompt_lookup_min=1, disable_by_batch_size=1)
     sched = make_scheduler(speculative_config=spec, max_num_batched_tokens=64)
-    sched.draft_policy.pays = lambda *_: True
+    sched.drafter.policy.pays = lambda *_: True
     worker = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
     core.add_request(Request("a", CYCLE * 2, SamplingParams(max_tokens=3)))
@@ -127,7 +128,7 @@ def test_drafts_respect_budget_max_tokens_and_batch_size() -> None:
     for params in (SamplingParams(max_tokens=8, frequency_penalty=0.5),
                    SamplingParams(max_tokens=8, logprobs=2)):
         sched2 = make_scheduler(speculative_config=SpeculativeConfig(4, prompt_lookup_min=1))
-        sched2.draft_policy.pays = lambda *_: True
+        sched2.drafter.policy.pays = lambda *_: True
         w2 = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
         core2 = EngineCore(sched2, w2)
         core2.add_request(Request("p", CYCLE * 2, params))
@@ -160,20 +161,20 @@ def test_scheduler_drops_drafts_that_do_not_pay() -> None:
     sched = make_scheduler(speculative_config=spec, max_num_batched_tokens=64)
     worker = FakeWorker(64, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
-    sched.draft_policy.pays = lambda *_: False
+    sched.drafter.policy.pays = lambda *_: False
     core.add_request(Request("a", CYCLE * 2, SamplingParams(max_tokens=12)))
     while core.has_work():
         core.step()
     assert not any(so.scheduled_spec_decode_tokens for so in worker.steps)
     assert all(n == 1 for so in worker.steps[1:] for n in so.num_scheduled_tokens.values())
-    assert sched.draft_policy.step_s  # the engine core fed it step times
+    assert sched.drafter.policy.step_s  # the engine core fed it step times
 
 
 def test_a_step_verifies_at_most_max_draft_tokens() -> None:
     spec = SpeculativeConfig(7, prompt_lookup_min=1)
     sched = make_scheduler(speculative_config=spec, max_num_seqs=32, max_num_batched_tokens=512,
                            max_model_len=64, num_blocks=600)
-    sched.draft_policy.pays = lambda *_: True
+    sched.drafter.policy.pays = lambda *_: True
     worker = FakeWorker(600, BS, eos_token_id=EOS, token_fn=cyclic_token)
     core = EngineCore(sched, worker)
     for i in range(20):

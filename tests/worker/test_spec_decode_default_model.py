@@ -32,7 +32,7 @@ def engines() -> tuple[LLM, LLM]:
     spec = LLM(**COMMON, speculative_config=SPEC)
     # Draft in every step (DraftPolicy, tested on its own, would drop drafts where this
     # CPU is compute-bound): these tests are about verification.
-    spec.engine_core.scheduler.draft_policy.pays = lambda *_: True
+    spec.engine_core.scheduler.drafter.policy.pays = lambda *_: True
     yield plain, spec
     plain.shutdown()
     spec.shutdown()

@@ -18,6 +18,9 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
+QUANTIZATION_METHODS = ("int8",)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and in which precision.
@@ -33,11 +36,18 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None  # None: the model's own
+    # "int8": per-channel int8 weights quantized at load (jaxserve/models/quantization.py).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), "
+                f"got {self.quantization!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -244,6 +254,7 @@ def make_engine_config(
     distributed_process_id: int | None = None,
     request_tracing: bool = True,
     speculative_config: dict | SpeculativeConfig | None = None,
+    quantization: str | None = None,
 ) -> EngineConfig:
     """vLLM's engine arguments -> a validated EngineConfig (every process of a
     multi-host engine builds the same one)."""
@@ -255,7 +266,8 @@ def make_engine_config(
         async_scheduling = False
     return EngineConfig(
         model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                 served_model_name=served_model_name, tokenizer=tokenizer),
+                                 served_model_name=served_model_name, tokenizer=tokenizer,
+                                 quantization=quantization),
         cache_config=CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,

@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
@@ -36,7 +38,9 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     files = resolve_model(config.model_config.model)
     worker = Worker(config, files)
     worker.load_model()
-    logger.info("loaded %s (%s) in %.1f s", files.name, files.path, worker.timings["load_s"])
+    logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
+                worker.timings["load_s"], worker.weight_bytes / 2**20,
+                config.model_config.quantization or np.dtype(worker.dtype).name)
     sc = dataclasses.replace(config.scheduler_config, max_model_len=worker.max_model_len)
     config = dataclasses.replace(
         config,

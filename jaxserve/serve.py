@@ -119,6 +119,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="skip compiling the buckets at start-up (compile lazily)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (auto: float32 on the CPU, bfloat16 elsewhere)")
+    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                        help="int8: per-channel int8 weights quantized at load from any checkpoint, "
+                             "dequantized inside the matmul")
     engine.add_argument("--seed", type=int, default=0,
                         help="engine seed (requests without a seed derive theirs from it)")
     engine.add_argument("--attention-backend", default="auto",
@@ -205,7 +208,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         attention_interpret=args.attention_interpret, request_tracing=args.request_tracing,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, quantization=args.quantization,
     )
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.quantization import dense as quant_dense
 
 
 class RMSNorm(nn.Module):
@@ -66,10 +67,11 @@ class SwiGLU(nn.Module):
     intermediate_size: int
     hidden_size: int
     dtype: jnp.dtype
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda n, name: quant_dense(n, False, self.dtype, self.quantization, name)  # noqa: E731
         gate = dense(self.intermediate_size, "gate_proj")(x)
         up = dense(self.intermediate_size, "up_proj")(x)
         return dense(self.hidden_size, "down_proj")(nn.silu(gate) * up)

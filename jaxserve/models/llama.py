@@ -27,6 +27,7 @@ import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.models.quantization import dense as make_dense, embed as make_embed
 
 
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
@@ -79,6 +80,7 @@ class Attention(nn.Module):
     attention_backend: str
     attention_interpret: bool
     mesh: Mesh | None
+    quantization: str | None = None
 
     @nn.compact
     def __call__(
@@ -92,9 +94,7 @@ class Attention(nn.Module):
     ) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         T = x.shape[0]
-        dense = lambda n, bias, name: nn.Dense(  # noqa: E731
-            n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
-        )
+        dense = lambda n, bias, name: make_dense(n, bias, self.dtype, self.quantization, name)  # noqa: E731
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x)
@@ -131,6 +131,7 @@ class DecoderLayer(nn.Module):
     attention_backend: str
     attention_interpret: bool
     mesh: Mesh | None
+    quantization: str | None = None
 
     @nn.compact
     def __call__(
@@ -146,12 +147,12 @@ class DecoderLayer(nn.Module):
         attn_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
         attn_out, kv_cache = Attention(
             cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh,
-            name="self_attn")(
+            self.quantization, name="self_attn")(
             attn_in, layer_idx, cos, sin, kv_cache, md
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
-        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, name="mlp")(mlp_in)
+        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, self.quantization, name="mlp")(mlp_in)
         return (h, kv_cache), None
 
 
@@ -164,24 +165,22 @@ class LlamaForCausalLM(nn.Module):
     attention_backend: str = "reference"
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
+    quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed_tokens = nn.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype
-        )
+        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.quantization)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
-        )(cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh)
+        )(cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh,
+          self.quantization)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
-            )
+            self.lm_head = make_dense(cfg.vocab_size, False, self.dtype, self.quantization)
 
     def __call__(
         self,

@@ -59,6 +59,22 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "mlp", "up_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "mlp", "down_proj", "kernel"): ("layers", "mlp", "embed"),
 }
+
+def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Rules for int8 weights (models/quantization.py): `qweight` is the float kernel
+    transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale` [out, groups]
+    splits as `qweight` does (a group of inputs stays on the device holding its inputs)."""
+    out: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for path, ax in axes.items():
+        if path[-1] == "kernel":
+            *lead, inp, outp = ax
+            out[(*path[:-1], "qweight")] = out[(*path[:-1], "scale")] = (*lead, outp, inp)
+        elif path == ("embed_tokens", "embedding"):
+            out[("embed_tokens", "qweight")] = out[("embed_tokens", "scale")] = ax
+    return out
+
+
+PARAM_AXES.update(_int8_axes(PARAM_AXES))
 KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")  # [L, pages, page, 2*kvh, D]
 
 

@@ -22,6 +22,7 @@ from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
 from jaxserve.models.loaders import load_checkpoint
+from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
@@ -104,17 +105,21 @@ class Worker:
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
+        quantization = self.config.model_config.quantization
+        host_params = quantize_params(host_params, quantization)
         self.stages = build_stages(
             self.run_arch, host_params, self.mesh, self.dtype, self.attention_backend,
-            self.config.attention_interpret,
+            self.config.attention_interpret, quantization,
         )
+        self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and
         no pipeline split, device arrays restored straight into their shardings."""
         files, pc = self.model_files, self.config.parallel_config
-        if files.format == ModelFormat.ORBAX and pc.pipeline_parallel_size == 1:
+        quantized = self.config.model_config.quantization is not None
+        if files.format == ModelFormat.ORBAX and pc.pipeline_parallel_size == 1 and not quantized:
             arch = read_orbax_arch(files.path)
             lay = head_layout(arch, tp)
             if lay.num_kv_heads == arch.num_key_value_heads:

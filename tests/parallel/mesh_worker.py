@@ -1,7 +1,7 @@
 """Run LLM configurations on 8 fake CPU devices and print their greedy tokens as JSON.
 
 Used by test_parallel.py in a subprocess: XLA_FLAGS must be set before JAX starts.
-    python -m tests.parallel.mesh_worker MODEL '[[tp, pp], ...]'
+    python -m tests.parallel.mesh_worker MODEL '[[tp, pp], [tp, pp, "int8"], ...]'
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ def main() -> None:
 
     model = None if sys.argv[1] == "default" else sys.argv[1]
     results = {}
-    for tp, pp in json.loads(sys.argv[2]):
+    for tp, pp, *quant in json.loads(sys.argv[2]):
+        quantization = quant[0] if quant else None
+        key = f"{tp}x{pp}" + (f"-{quantization}" if quantization else "")
         t0 = time.perf_counter()
         llm = LLM(model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                  kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+                  kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  quantization=quantization)
         startup = time.perf_counter() - t0
         timeline = StageTimeline.attach(llm.engine.worker.runner) if pp > 1 else None
         t0 = time.perf_counter()
@@ -45,15 +48,15 @@ def main() -> None:
             for path, leaf in jax.tree_util.tree_flatten_with_path(st.params)[0]:
                 name = "/".join(str(p.key) for p in path[1:])
                 shardings[f"stage{st.index}/{name}"] = [str(leaf.sharding.spec), len(leaf.sharding.device_set)]
-        results[f"{tp}x{pp}"] = {
+        results[key] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "startup_s": startup, "compile_s": worker.timings.get("compile_s"), "generate_s": gen,
             "shardings": shardings,
         }
         if timeline is not None:
             timeline.stop()
-            results[f"{tp}x{pp}"]["overlapped_steps"] = timeline.overlapped_steps()
-            results[f"{tp}x{pp}"]["timeline"] = timeline.format()
+            results[key]["overlapped_steps"] = timeline.overlapped_steps()
+            results[key]["timeline"] = timeline.format()
         del llm
     print("RESULTS " + json.dumps(results))
 

@@ -37,11 +37,11 @@ def run_configs(model: str, configs: list[tuple[int, int]]) -> dict:
 
 @pytest.mark.slow
 def test_default_model_same_tokens_under_tp_pp_and_both() -> None:
-    configs = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (2, 2)]
+    configs = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (2, 2), (1, 1, "int8"), (2, 2, "int8")]
     res = run_configs("default", configs)
     base = res["1x1"]["tokens"]
     for key, r in res.items():
-        assert r["tokens"] == base, key
+        assert r["tokens"] == (res["1x1-int8"]["tokens"] if "int8" in key else base), key
         print(f"TP x PP {key}: startup {r['startup_s']:.1f} s, compile {r['compile_s']:.1f} s, "
               f"generate {r['generate_s']:.2f} s")
     # Column-parallel q over "model", row-parallel o, vocab-parallel embedding.
@@ -49,6 +49,14 @@ def test_default_model_same_tokens_under_tp_pp_and_both() -> None:
     assert s["stage0/layers/self_attn/q_proj/kernel"][0] == "P(None, None, 'model')"
     assert s["stage0/layers/self_attn/o_proj/kernel"][0] == "P(None, 'model', None)"
     assert s["stage0/embed_tokens/embedding"][0] == "P('model', None)"
+    # int8 weights are [out, in] with scales [out, in / 64], split as their weights.
+    s = res["2x2-int8"]["shardings"]
+    assert s["stage0/layers/self_attn/q_proj/qweight"][0] == "P(None, 'model', None)"
+    assert s["stage0/layers/self_attn/q_proj/scale"][0] == "P(None, 'model', None)"
+    assert s["stage1/layers/mlp/down_proj/qweight"][0] == "P(None, None, 'model')"
+    assert s["stage1/layers/mlp/down_proj/scale"][0] == "P(None, None, 'model')"
+    assert s["stage0/embed_tokens/qweight"][0] == "P('model', None)"
+    assert s["stage1/embed_tokens/scale"][0] == "P('model', None)"
     # Pipeline microbatches: the 3 prompts run as 2 groups (max_num_seqs 4 / pp 2) whose
     # steps share the pipeline: a step's stage 0 finished before the previous step's last
     # stage did (impossible when each step's inputs waited for the previous step's tokens).

@@ -19,6 +19,7 @@ class SchedulingPolicy(enum.Enum):
 
 
 QUANTIZATION_METHODS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,15 @@ class CacheConfig:
     # On the CPU there is no device memory to profile; this is the KV budget.
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3") / "fp8_e5m2": one byte per value,
+    # scaled by the kernels' k_scale / v_scale (1.0, vLLM's default without calibration).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -255,6 +263,7 @@ def make_engine_config(
     request_tracing: bool = True,
     speculative_config: dict | SpeculativeConfig | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """vLLM's engine arguments -> a validated EngineConfig (every process of a
     multi-host engine builds the same one)."""
@@ -274,6 +283,7 @@ def make_engine_config(
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             num_gpu_blocks_override=num_gpu_blocks_override,
+            cache_dtype=kv_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 
-from jaxserve.config import EngineConfig, SchedulingPolicy, make_engine_config
+from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, SchedulingPolicy, make_engine_config
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.model_files import resolve_model
@@ -102,6 +102,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
                         help="KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
                              "--gpu-memory-utilization of the device)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / "
+                             "fp8_e5m2, one byte each (k_scale = v_scale = 1.0)")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="KV-cache pages, overriding the memory budget")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -200,7 +203,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,

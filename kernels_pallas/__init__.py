@@ -87,6 +87,15 @@ def update_kv_cache(
     *,
     backend: str = "reference",
     interpret: bool = False,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> jax.Array:
-    """Write this step's keys/values at their slots; in place when `kv_pages` is donated."""
+    """Write this step's keys/values at their slots; in place when `kv_pages` is donated.
+
+    A low-precision cache (fp8) stores k / k_scale and v / v_scale; attention multiplies
+    them back with the same `k_scale` / `v_scale`."""
+    if k_scale is not None:
+        k = k / k_scale
+    if v_scale is not None:
+        v = v / v_scale
     return get_backend(backend).update_kv_cache(kv_pages, k, v, slot_mapping, interpret=interpret)

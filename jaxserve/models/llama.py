@@ -31,6 +31,7 @@ from jaxserve.models.quantization import dense as make_dense, embed as make_embe
 
 
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
+FP8_KV_SCALE = 1.0
 
 
 def attention_options(cfg: ArchConfig) -> dict[str, Any]:
@@ -58,18 +59,25 @@ def paged_attention(
     paged cache and no layer is copied out of the stack.
     """
     options = options or {}
+    if jnp.dtype(kv_cache.dtype).itemsize == 1:
+        # An fp8 cache: the kernels scale what they write and read (vLLM's default scale
+        # of 1.0 when the checkpoint has no calibrated ones).
+        scales = dict(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
+    else:
+        scales = {}
     num_layers, num_pages, page_size = kv_cache.shape[:3]
     flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
     page_offset = layer_idx * num_pages
     with jax.named_scope("kv_cache_update"):
         flat = kernels_pallas.update_kv_cache(
             flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
-            interpret=interpret,
+            interpret=interpret, **scales,
         )
     with jax.named_scope("attention"):
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan, **options,
+            **scales,
         )
     return out, flat.reshape(kv_cache.shape)
 

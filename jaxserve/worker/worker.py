@@ -21,7 +21,7 @@ from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
-from jaxserve.models.loaders import load_checkpoint
+from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
@@ -38,6 +38,19 @@ logger = logging.getLogger(__name__)
 # With no device memory to profile on the CPU, the KV cache gets this budget
 # unless --kv-cache-memory-bytes says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+# --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
+_KV_CACHE_DTYPES = {
+    "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,
+}
+
+
+def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
+    if tp == 1:
+        return False
+    arch = read_arch(files)
+    return head_layout(arch, tp).num_kv_heads != arch.num_key_value_heads
 
 
 def resolve_dtype(dtype: str, platform: str) -> Any:
@@ -93,6 +106,7 @@ class Worker:
         self.mesh = make_mesh(config.parallel_config)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
+        self.kv_dtype = _KV_CACHE_DTYPES.get(config.cache_config.cache_dtype, self.dtype)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         self.runner: ModelRunner | None = None
@@ -106,7 +120,7 @@ class Worker:
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         quantization = self.config.model_config.quantization
-        host_params = quantize_params(host_params, quantization)
+        host_params = quantize_params(host_params, quantization)  # if not read as int8
         self.stages = build_stages(
             self.run_arch, host_params, self.mesh, self.dtype, self.attention_backend,
             self.config.attention_interpret, quantization,
@@ -125,12 +139,15 @@ class Worker:
             if lay.num_kv_heads == arch.num_key_value_heads:
                 shardings = param_shardings(orbax_param_shapes(files.path), self.mesh)
                 return arch, restore_orbax(files.path, self.dtype, shardings)
-        return load_checkpoint(files, self.dtype)
+        # Heads are padded / replicated for tp on float weights; otherwise int8 weights are
+        # read as int8, one tensor at a time.
+        read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
+        return load_checkpoint(files, self.dtype, self.config.model_config.quantization if read_as_int8 else None)
 
     def page_bytes(self) -> int:
         """Bytes of one KV page on the busiest device: its stage's layers, its share of heads."""
         layers = max(b - a for a, b in (st.layers for st in self.stages))
-        per_layer = self.run_arch.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize) // self.run_arch.num_hidden_layers
+        per_layer = self.run_arch.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize) // self.run_arch.num_hidden_layers
         tokens = self.config.cache_config.block_size
         return per_layer * layers * tokens // self.config.parallel_config.tensor_parallel_size
 
@@ -174,7 +191,7 @@ class Worker:
         for st in self.stages:
             shape = kv_cache_shape(st.model.cfg, num_blocks, cc.block_size)
             sharding = kv_cache_sharding(st.mesh, shape)
-            st.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+            st.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)()
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             self.stages,

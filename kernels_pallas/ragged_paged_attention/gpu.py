@@ -75,7 +75,7 @@ def _kernel(
     o_ref,  # [num_kv_heads, rows, D]
     *, sm_scale: float, group: int, group_pad: int, block_q: int, page_size: int,
     pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
-    mask_value: float, precision,
+    mask_value: float, precision, k_scale: float | None, v_scale: float | None,
 ):
     h, w = pl.program_id(0), pl.program_id(1)
     seq, q_start, q_end, kv_len = seq_ref[w], q_start_ref[w], q_end_ref[w], kv_len_ref[w]
@@ -106,8 +106,12 @@ def _kernel(
         # Page id of every key slot; clamped + nulled so junk table entries stay in bounds.
         page = page_indices_ref[seq, jnp.minimum(kpos // page_size, pages_per_seq - 1)]
         slot = jnp.where(in_ctx, page, 0) * page_size + kpos % page_size
-        k = kv_ref[slot, 2 * h, :]  # [block_k, D]
-        v = kv_ref[slot, 2 * h + 1, :]
+        k = kv_ref[slot, 2 * h, :].astype(q.dtype)  # [block_k, D]; fp8 pages widen here
+        v = kv_ref[slot, 2 * h + 1, :].astype(q.dtype)
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
         # Slots past kv_len may hold NaN, and 0 * NaN is NaN in the second dot.
         v = jnp.where(in_ctx[:, None], v, jnp.zeros_like(v))
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [rows, block_k] f32
@@ -135,8 +139,8 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "mask_value", "block_q", "pages_per_block",
-    "num_warps", "num_stages", "interpret"))
+    "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale", "block_q",
+    "pages_per_block", "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -149,6 +153,8 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int = 4,
@@ -190,7 +196,8 @@ def ragged_paged_attention(
         _kernel, sm_scale=sm_scale, group=group, group_pad=group_pad, block_q=block_q,
         page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
         soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        k_scale=k_scale, v_scale=v_scale)
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, seq.shape[0]),

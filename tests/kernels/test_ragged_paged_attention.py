@@ -119,3 +119,43 @@ def test_update_kv_cache(backend: str, dtype) -> None:
                                       interpret=True), donate_argnums=0)
     got = np.asarray(write(jnp.asarray(cache), k, v, slots))
     np.testing.assert_array_equal(got[1:], want[1:])  # page 0 (null) holds garbage
+
+
+@pytest.mark.parametrize("backend", kernels_pallas.list_backends())
+def test_fp8_cache_with_scales(backend: str) -> None:
+    """An fp8 (e4m3) cache holding k / k_scale, v / v_scale: every backend widens the pages and
+    applies the scales as the reference does, and the result stays near the float32 cache's."""
+    batch = make_batch(_cases(16)["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                       page_size=16, seed=5)
+    k_scale, v_scale = 0.5, 0.25
+    pages = np.asarray(batch.kv_pages, np.float32).copy()
+    pages[:, :, 0::2] /= k_scale
+    pages[:, :, 1::2] /= v_scale
+    fp8 = jnp.asarray(pages).astype(jnp.float8_e4m3fn)
+    args = (batch.q, fp8, *batch.args[2:])
+    options = dict(sm_scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    got = _run_args(backend, args, **options)
+    want = np.asarray(jax.jit(reference, static_argnames=tuple(options))(*args, **options))
+    n = batch.num_real_tokens
+    assert np.isfinite(got[:n]).all()
+    np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
+    exact = np.asarray(_reference_jit()(*batch.args, sm_scale=0.125))
+    np.testing.assert_allclose(got[:n], exact[:n], atol=0.1, rtol=0.1)  # e4m3: 3 mantissa bits
+
+
+def _run_args(backend_name: str, args, **options) -> np.ndarray:
+    tuning = kernels_pallas.get_backend(backend_name).test_tuning[0]
+    out = kernels_pallas.ragged_paged_attention(*args, backend=backend_name, interpret=True,
+                                                **options, **tuning)
+    return np.asarray(out, np.float32)
+
+
+def test_scaled_kv_write_stores_k_over_k_scale() -> None:
+    cache = jnp.zeros((3, 16, 4, 64), jnp.float8_e4m3fn)
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((5, 2, 64)).astype(np.float32) for _ in range(2))
+    slots = np.arange(16, 21, dtype=np.int32)
+    got = kernels_pallas.update_kv_cache(cache, k, v, slots, k_scale=2.0, v_scale=0.5)
+    rows = np.asarray(got.astype(jnp.float32))[1, :5]
+    np.testing.assert_allclose(rows[:, 0::2], k / 2.0, rtol=0.07, atol=1e-2)
+    np.testing.assert_allclose(rows[:, 1::2], v / 0.5, rtol=0.07, atol=1e-2)

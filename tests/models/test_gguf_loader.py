@@ -194,3 +194,22 @@ def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         load_checkpoint(model_dir, np.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_1])
+def test_gguf_read_as_int8_tensor_by_tensor(qtype: Q, tmp_path) -> None:
+    """quantization="int8" at load (one tensor at a time, q/k rows unpermuted first) gives
+    exactly the whole float model quantized afterwards."""
+    import jax
+
+    from jaxserve.models.quantization import quantize_params
+
+    model_dir = save_tiny_hf("llama", str(tmp_path))
+    path = str(tmp_path / "q.gguf")
+    write_gguf(model_dir, path, qtype)
+    _, floats = load_gguf(path, np.float32)
+    _, direct = load_gguf(path, np.float32, quantization="int8")
+    want = quantize_params(floats, "int8")
+    assert jax.tree.structure(direct) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -96,3 +96,21 @@ def test_bad_quantization_names_the_field() -> None:
         ModelConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization"):
         make_engine_config(quantization="fp4")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> None:
+    model_dir = save_tiny_hf("llama", str(tmp_path))
+    arch, params = load_checkpoint(model_dir, np.float32)
+    model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend)
+    ids = list(range(3, 60))
+    f = prompt_logits(model, params, ids)
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        q = prompt_logits(model, params, ids, cache_dtype=dtype)
+        assert np.isfinite(q).all()
+        assert 0 < np.abs(q - f).max() < 0.05 * np.abs(f).max()
+
+
+def test_bad_kv_cache_dtype_names_the_field() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        make_engine_config(kv_cache_dtype="int4")

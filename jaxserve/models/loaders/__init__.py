@@ -11,21 +11,45 @@ from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loaders.weights import WeightLoadError
 
 
-def load_checkpoint(model: str | ModelFiles | None, dtype: Any) -> tuple[ArchConfig, dict[str, Any]]:
-    """Read weights as host NumPy arrays in `dtype`; the worker places them."""
+def load_checkpoint(
+    model: str | ModelFiles | None, dtype: Any, quantization: str | None = None
+) -> tuple[ArchConfig, dict[str, Any]]:
+    """Read weights as host NumPy arrays in `dtype`; the worker places them.
+
+    With `quantization="int8"` the projections and embedding come back int8
+    (models/quantization.py), quantized one tensor at a time as they are read (GGUF and
+    safetensors; an Orbax checkpoint is restored whole, then quantized).
+    """
     files = model if isinstance(model, ModelFiles) else resolve_model(model)
     dtype = np.dtype(dtype)
     if files.format == ModelFormat.GGUF:
         from jaxserve.models.loaders.gguf_loader import load_gguf
 
-        return load_gguf(files.path, dtype)
+        return load_gguf(files.path, dtype, quantization)
     if files.format == ModelFormat.HF:
         from jaxserve.models.loaders.hf import load_hf_dir
 
-        return load_hf_dir(files.path, dtype)
+        return load_hf_dir(files.path, dtype, quantization)
     from jaxserve.models.loaders.orbax_loader import read_orbax_arch, restore_orbax
+    from jaxserve.models.quantization import quantize_params
 
-    return read_orbax_arch(files.path), restore_orbax(files.path, dtype)
+    return read_orbax_arch(files.path), quantize_params(restore_orbax(files.path, dtype), quantization)
 
 
-__all__ = ["load_checkpoint", "WeightLoadError"]
+def read_arch(model: str | ModelFiles | None) -> ArchConfig:
+    """The checkpoint's architecture, without reading its weights."""
+    files = model if isinstance(model, ModelFiles) else resolve_model(model)
+    if files.format == ModelFormat.GGUF:
+        from jaxserve.models.loaders.gguf_loader import gguf_arch_config, read_gguf
+
+        return gguf_arch_config(read_gguf(files.path), files.path)[0]
+    if files.format == ModelFormat.HF:
+        from jaxserve.models.loaders.hf import read_hf_config
+
+        return ArchConfig.from_hf_config(read_hf_config(files.path))
+    from jaxserve.models.loaders.orbax_loader import read_orbax_arch
+
+    return read_orbax_arch(files.path)
+
+
+__all__ = ["load_checkpoint", "read_arch", "WeightLoadError"]

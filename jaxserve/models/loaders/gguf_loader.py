@@ -145,8 +145,14 @@ def _with_llama3_rope(cfg: ArchConfig, reader: gguf.GGUFReader, path: str) -> Ar
     return scaled
 
 
-def load_gguf(path: str, dtype: Any) -> tuple[ArchConfig, dict[str, Any]]:
-    """Return the architecture and the param tree of a GGUF checkpoint."""
+def load_gguf(path: str, dtype: Any, quantization: str | None = None) -> tuple[ArchConfig, dict[str, Any]]:
+    """Return the architecture and the param tree of a GGUF checkpoint.
+
+    Each tensor is dequantized on its own when read; with `quantization="int8"` it is
+    quantized again at once, so the float32 model never exists whole. (Q8_0's blocks of 32
+    are not taken over as they are: our int8 groups are 64 inputs, at one token 1.6x faster
+    in XLA's CPU matmul than groups of 32.)
+    """
     reader = read_gguf(path)
     cfg, permuted = gguf_arch_config(reader, path)
     tensors = {}
@@ -171,4 +177,4 @@ def load_gguf(path: str, dtype: Any) -> tuple[ArchConfig, dict[str, Any]]:
             w = unpermute_qk(w, cfg.num_key_value_heads)
         return w
 
-    return cfg, build_params(cfg, get, dtype, path)
+    return cfg, build_params(cfg, get, dtype, path, quantization)

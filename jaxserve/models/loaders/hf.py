@@ -24,7 +24,9 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def load_hf_dir(model_dir: str, dtype: Any) -> tuple[ArchConfig, dict[str, Any]]:
+def load_hf_dir(
+    model_dir: str, dtype: Any, quantization: str | None = None
+) -> tuple[ArchConfig, dict[str, Any]]:
     """Return the architecture and the param tree of a safetensors checkpoint."""
     arch = ArchConfig.from_hf_config(read_hf_config(model_dir))
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
@@ -51,4 +53,4 @@ def load_hf_dir(model_dir: str, dtype: Any) -> tuple[ArchConfig, dict[str, Any]]
         except Exception as e:
             raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
 
-    return arch, build_params(arch, get, dtype, model_dir)
+    return arch, build_params(arch, get, dtype, model_dir, quantization)

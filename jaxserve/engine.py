@@ -52,7 +52,8 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     worker.initialize_cache(num_blocks)
     logger.info(
         "KV cache: %d pages of %d tokens (%.2f GiB, %s)", num_blocks, config.cache_config.block_size,
-        num_blocks * worker.page_bytes() / 2**30, np.dtype(worker.kv_dtype).name,
+        num_blocks * worker.page_bytes() / 2**30,
+        {"auto": np.dtype(worker.kv_dtype).name}.get(config.cache_config.cache_dtype, config.cache_config.cache_dtype),
     )
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:

@@ -17,10 +17,12 @@ from typing import Any
 
 import jax
 
+from kernels_pallas.kv_cache import FP8_KV_CACHE_DTYPES, kv_cache_bits, kv_cache_values
 from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
 from kernels_pallas import ragged_paged_attention as _variants  # registers every variant
 
 __all__ = [
+    "FP8_KV_CACHE_DTYPES",
     "Backend",
     "attention_plan",
     "get_backend",
@@ -43,17 +45,24 @@ def ragged_paged_attention(
     backend: str = "reference",
     interpret: bool = False,
     plan: Any = None,
+    kv_cache_dtype: str = "auto",
     **tuning,
 ) -> jax.Array:
     """Attention of a mixed prefill/decode batch over the paged cache, by variant name.
 
     See `kernels_pallas/ragged_paged_attention/reference.py` for the layout; `tuning` goes to
-    the variant (block sizes, `sliding_window`, `soft_cap`, ...); `plan` is this step's
-    `attention_plan(...)` for variants that have one.
+    the variant (block sizes, `sliding_window`, `soft_cap`, `k_scale`, ...); `plan` is this
+    step's `attention_plan(...)` for variants that have one. `kv_cache_dtype` "fp8" /
+    "fp8_e4m3" / "fp8_e5m2": `kv_pages` is uint8 holding those values' bits (vLLM's layout).
     """
     if plan is not None:
         tuning["plan"] = plan
-    return get_backend(backend).attention(
+    impl = get_backend(backend)
+    if impl.reads_kv_bits:
+        tuning["kv_cache_dtype"] = kv_cache_dtype
+    else:
+        kv_pages = kv_cache_values(kv_pages, kv_cache_dtype)
+    return impl.attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, interpret=interpret, **tuning,
     )
@@ -89,13 +98,15 @@ def update_kv_cache(
     interpret: bool = False,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> jax.Array:
     """Write this step's keys/values at their slots; in place when `kv_pages` is donated.
 
-    A low-precision cache (fp8) stores k / k_scale and v / v_scale; attention multiplies
-    them back with the same `k_scale` / `v_scale`."""
+    A low-precision cache stores k / k_scale and v / v_scale (for `kv_cache_dtype` "fp8...",
+    their fp8 bits in a uint8 cache); attention multiplies them back by the same scales."""
     if k_scale is not None:
         k = k / k_scale
     if v_scale is not None:
         v = v / v_scale
+    k, v = kv_cache_bits(k, kv_cache_dtype), kv_cache_bits(v, kv_cache_dtype)
     return get_backend(backend).update_kv_cache(kv_pages, k, v, slot_mapping, interpret=interpret)

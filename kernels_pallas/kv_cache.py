@@ -17,8 +17,30 @@ buffer in place: the reshapes are bitcasts and XLA's scatter runs in place on it
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+# kv_cache_dtype (vLLM's names) -> the value type whose bits a uint8 cache holds. As in vLLM,
+# an fp8 cache is a uint8 array: XLA's CPU scatter into an fp8 array converts the whole array
+# to a wider type and back (seconds a step), into uint8 it writes in place.
+FP8_KV_CACHE_DTYPES: dict[str, Any] = {
+    "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,
+}
+
+
+def kv_cache_values(pages: jax.Array, kv_cache_dtype: str = "auto") -> jax.Array:
+    """Cache entries as stored -> their values (fp8 bits in uint8 -> fp8). Gather pages first
+    and convert the gathered block: XLA's CPU backend copies a whole-cache bitcast inside a loop."""
+    fp8 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+    return pages if fp8 is None else jax.lax.bitcast_convert_type(pages, fp8)
+
+
+def kv_cache_bits(x: jax.Array, kv_cache_dtype: str = "auto") -> jax.Array:
+    """Values to store -> cache entries (-> fp8 -> its bits in uint8 for an fp8 cache)."""
+    fp8 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+    return x if fp8 is None else jax.lax.bitcast_convert_type(x.astype(fp8), jnp.uint8)
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:

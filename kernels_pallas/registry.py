@@ -49,6 +49,9 @@ class Backend:
     description: str = ""
     test_tuning: tuple[dict[str, Any], ...] = ({},)
     plan: PlanFn | None = None
+    # Takes `kv_cache_dtype` and converts a uint8 (fp8 bits) cache itself, after gathering;
+    # otherwise the dispatcher hands it the whole cache bitcast to fp8 (free on GPU and TPU).
+    reads_kv_bits: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -67,6 +70,7 @@ def register_backend(
     interpretable: bool = True,
     description: str = "",
     test_tuning: tuple[dict[str, Any], ...] = ({},),
+    reads_kv_bits: bool = False,
 ) -> Backend:
     """Register attention variant `name` (and its KV write; default: the XLA scatter)."""
     if name in _BACKENDS and _BACKENDS[name].attention is not fn:
@@ -79,7 +83,7 @@ def register_backend(
             return xla_write(kv_pages, k, v, slot_mapping)
 
     backend = Backend(name, fn, update_kv_cache, tuple(platforms), interpretable, description,
-                      tuple(test_tuning), plan)
+                      tuple(test_tuning), plan, reads_kv_bits)
     _BACKENDS[name] = backend
     return backend
 

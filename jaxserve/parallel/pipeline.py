@@ -66,7 +66,7 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
 
 def build_stages(
     arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str,
-    attention_interpret: bool = False, quantization: str | None = None,
+    attention_interpret: bool = False, quantization: str | None = None, kv_cache_dtype: str = "auto",
 ) -> list[Stage]:
     """Split, place (with each stage's tensor-parallel shardings) and wrap every stage.
 
@@ -81,7 +81,7 @@ def build_stages(
         host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
         model = LlamaForCausalLM(cfg, dtype, attention_backend, attention_interpret,
-                                 sub if tp > 1 else None, quantization)
+                                 sub if tp > 1 else None, quantization, kv_cache_dtype)
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
         params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))

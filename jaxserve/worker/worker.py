@@ -21,6 +21,7 @@ from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig, kv_cache_shape
+from jaxserve.models.llama import kv_cache_storage_dtype
 from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
@@ -38,12 +39,6 @@ logger = logging.getLogger(__name__)
 # With no device memory to profile on the CPU, the KV cache gets this budget
 # unless --kv-cache-memory-bytes says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
-
-# --kv-cache-dtype -> the cache's element type ("auto": the model's dtype).
-_KV_CACHE_DTYPES = {
-    "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,
-}
 
 
 def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
@@ -106,7 +101,7 @@ class Worker:
         self.mesh = make_mesh(config.parallel_config)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
-        self.kv_dtype = _KV_CACHE_DTYPES.get(config.cache_config.cache_dtype, self.dtype)
+        self.kv_dtype = kv_cache_storage_dtype(config.cache_config.cache_dtype, self.dtype)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         self.runner: ModelRunner | None = None
@@ -123,7 +118,7 @@ class Worker:
         host_params = quantize_params(host_params, quantization)  # if not read as int8
         self.stages = build_stages(
             self.run_arch, host_params, self.mesh, self.dtype, self.attention_backend,
-            self.config.attention_interpret, quantization,
+            self.config.attention_interpret, quantization, self.config.cache_config.cache_dtype,
         )
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.timings["load_s"] = time.perf_counter() - t0

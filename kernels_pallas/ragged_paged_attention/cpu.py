@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, gqa_layout
+from kernels_pallas.kv_cache import kv_cache_values
 from kernels_pallas.registry import register_backend
 
 
@@ -165,6 +166,7 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    kv_cache_dtype: str = "auto",
     plan: AttentionPlan | None = None,
     **tuning,
 ) -> jax.Array:
@@ -197,7 +199,8 @@ def ragged_paged_attention(
         cols = first_key[..., None] // page_size + jnp.arange(count // page_size)
         pages = page_indices[s[..., None], jnp.minimum(cols, pages_per_seq - 1)]
         pages = jnp.where(cols < seq_pages[s][..., None], pages, 0)
-        block = kv_rows[pages.reshape(-1)].reshape(*s.shape, count, num_kv_heads, 2, head_dim)
+        block = kv_cache_values(kv_rows[pages.reshape(-1)], kv_cache_dtype)
+        block = block.reshape(*s.shape, count, num_kv_heads, 2, head_dim)
         k = block[..., 0, :].astype(jnp.float32)
         v = block[..., 1, :].astype(jnp.float32)
         if k_scale is not None:
@@ -332,4 +335,5 @@ register_backend(
                 "items bounded by each token's own context; the CPU serving path",
     test_tuning=({}, {"block_q": 4, "pages_per_block": 1, "decode_pages_per_block": 1,
                       "decode_items": 3}),
+    reads_kv_bits=True,
 )

@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_cache import kv_cache_values
 from kernels_pallas.registry import register_backend
 
 # A large negative *finite* number: with -inf a fully masked page would give
@@ -96,6 +97,7 @@ def ragged_paged_attention(
     mask_value: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    kv_cache_dtype: str = "auto",
     pages_per_step: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention; see the module docstring for the layout.
@@ -149,7 +151,8 @@ def ragged_paged_attention(
     def body(j, carry):
         m, l, acc = carry  # [T, kvh, g], [T, kvh, g], [T, kvh, g, D]
         pages = jax.lax.dynamic_slice_in_dim(token_pages, j * n, n, axis=1)  # [T, n]
-        kv = kv_view[pages].reshape(num_tokens, block_k, num_kv_heads, 2, head_dim)
+        kv = kv_cache_values(kv_view[pages], kv_cache_dtype)
+        kv = kv.reshape(num_tokens, block_k, num_kv_heads, 2, head_dim)
         k = kv[:, :, :, 0, :].astype(jnp.float32)
         v = kv[:, :, :, 1, :].astype(jnp.float32)
         if k_scale is not None:
@@ -198,4 +201,5 @@ register_backend(
     _reference_backend,
     platforms=("cpu", "cuda", "tpu"),
     description="plain jax.numpy online softmax over pages; the CPU path and the oracle",
+    reads_kv_bits=True,
 )

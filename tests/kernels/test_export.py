@@ -28,6 +28,9 @@ SHAPES = {
     "llama8b_bf16": (256, 32, 8, 128, 4096, 16, 64, 128, jnp.bfloat16, {}),
     "gqa3_f32_window": (64, 6, 2, 64, 512, 32, 16, 16, jnp.float32,
                         {"sliding_window": 128, "soft_cap": 30.0}),
+    # --kv-cache-dtype fp8: a uint8 cache of fp8 bits with the k/v scales
+    "llama8b_fp8_cache": (256, 32, 8, 128, 4096, 16, 64, 128, jnp.bfloat16,
+                          {"kv_cache_dtype": "fp8", "k_scale": 1.0, "v_scale": 1.0}),
 }
 
 TARGETS = [
@@ -44,7 +47,7 @@ def test_attention_lowers(backend: str, platform: str, shape: str) -> None:
     t, hq, hkv, d, pages, p, seqs, pps, dtype, options = SHAPES[shape]
     args = [
         jax.ShapeDtypeStruct((t, hq, d), dtype),
-        jax.ShapeDtypeStruct((pages, p, 2 * hkv, d), dtype),
+        jax.ShapeDtypeStruct((pages, p, 2 * hkv, d), jnp.uint8 if "kv_cache_dtype" in options else dtype),
         jax.ShapeDtypeStruct((seqs,), jnp.int32),
         jax.ShapeDtypeStruct((seqs, pps), jnp.int32),
         jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
@@ -57,12 +60,13 @@ def test_attention_lowers(backend: str, platform: str, shape: str) -> None:
     assert exported.out_avals[0].shape == (t, hq, d)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("backend,platform", TARGETS, ids=[f"{b}-{p}" for b, p in TARGETS])
-def test_kv_write_lowers_in_place(backend: str, platform: str) -> None:
-    kv = jax.ShapeDtypeStruct((4096, 16, 16, 128), jnp.bfloat16)
+def test_kv_write_lowers_in_place(backend: str, platform: str, kv_cache_dtype: str) -> None:
+    kv = jax.ShapeDtypeStruct((4096, 16, 16, 128), jnp.bfloat16 if kv_cache_dtype == "auto" else jnp.uint8)
     k = jax.ShapeDtypeStruct((256, 8, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((256,), jnp.int32)
-    fn = functools.partial(kernels_pallas.update_kv_cache, backend=backend)
+    fn = functools.partial(kernels_pallas.update_kv_cache, backend=backend, kv_cache_dtype=kv_cache_dtype)
     exported = export.export(jax.jit(fn, donate_argnums=0), platforms=[platform],
                              disabled_checks=DISABLED_CHECKS[platform])(kv, k, k, slots)
     # The donated cache must alias the result, or every step would copy the whole cache.

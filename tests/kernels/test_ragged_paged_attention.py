@@ -123,8 +123,9 @@ def test_update_kv_cache(backend: str, dtype) -> None:
 
 @pytest.mark.parametrize("backend", kernels_pallas.list_backends())
 def test_fp8_cache_with_scales(backend: str) -> None:
-    """An fp8 (e4m3) cache holding k / k_scale, v / v_scale: every backend widens the pages and
-    applies the scales as the reference does, and the result stays near the float32 cache's."""
+    """An fp8 (e4m3) cache, vLLM's layout (uint8 holding the bits of k / k_scale, v / v_scale):
+    every backend reads the values and applies the scales as the reference does on an fp8
+    array, and the result stays near the float32 cache's."""
     batch = make_batch(_cases(16)["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64,
                        page_size=16, seed=5)
     k_scale, v_scale = 0.5, 0.25
@@ -132,10 +133,11 @@ def test_fp8_cache_with_scales(backend: str) -> None:
     pages[:, :, 0::2] /= k_scale
     pages[:, :, 1::2] /= v_scale
     fp8 = jnp.asarray(pages).astype(jnp.float8_e4m3fn)
-    args = (batch.q, fp8, *batch.args[2:])
+    bits = jax.lax.bitcast_convert_type(fp8, jnp.uint8)
     options = dict(sm_scale=0.125, k_scale=k_scale, v_scale=v_scale)
-    got = _run_args(backend, args, **options)
-    want = np.asarray(jax.jit(reference, static_argnames=tuple(options))(*args, **options))
+    got = _run_args(backend, (batch.q, bits, *batch.args[2:]), kv_cache_dtype="fp8_e4m3", **options)
+    want = np.asarray(jax.jit(reference, static_argnames=tuple(options))(
+        batch.q, fp8, *batch.args[2:], **options))
     n = batch.num_real_tokens
     assert np.isfinite(got[:n]).all()
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
@@ -150,12 +152,16 @@ def _run_args(backend_name: str, args, **options) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def test_scaled_kv_write_stores_k_over_k_scale() -> None:
-    cache = jnp.zeros((3, 16, 4, 64), jnp.float8_e4m3fn)
+@pytest.mark.parametrize("backend", kernels_pallas.list_backends())
+def test_scaled_fp8_kv_write_stores_bits_of_k_over_k_scale(backend: str) -> None:
+    cache = jnp.zeros((3, 16, 4, 64), jnp.uint8)
     rng = np.random.default_rng(2)
     k, v = (rng.standard_normal((5, 2, 64)).astype(np.float32) for _ in range(2))
     slots = np.arange(16, 21, dtype=np.int32)
-    got = kernels_pallas.update_kv_cache(cache, k, v, slots, k_scale=2.0, v_scale=0.5)
-    rows = np.asarray(got.astype(jnp.float32))[1, :5]
+    got = kernels_pallas.update_kv_cache(cache, k, v, slots, k_scale=2.0, v_scale=0.5,
+                                         kv_cache_dtype="fp8", backend=backend, interpret=True)
+    assert got.dtype == jnp.uint8
+    values = jax.lax.bitcast_convert_type(got, jnp.float8_e4m3fn)
+    rows = np.asarray(values.astype(jnp.float32))[1, :5]
     np.testing.assert_allclose(rows[:, 0::2], k / 2.0, rtol=0.07, atol=1e-2)
     np.testing.assert_allclose(rows[:, 1::2], v / 0.5, rtol=0.07, atol=1e-2)

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM, kv_cache_shape
+from jaxserve.models.llama import kv_cache_storage_dtype
 
 
-def prompt_logits(
-    model: LlamaForCausalLM, params, token_ids: list[int], page_size: int = 16, cache_dtype=None
-) -> np.ndarray:
+def prompt_logits(model: LlamaForCausalLM, params, token_ids: list[int], page_size: int = 16) -> np.ndarray:
     """float32 logits [len(token_ids), vocab] of every position of one prompt."""
     T = len(token_ids)
     num_pages = (T + page_size - 1) // page_size + 1  # + the null page 0
-    cache = jnp.zeros(kv_cache_shape(model.cfg, num_pages, page_size), cache_dtype or model.dtype)
+    dtype = kv_cache_storage_dtype(model.kv_cache_dtype, model.dtype)
+    cache = jnp.zeros(kv_cache_shape(model.cfg, num_pages, page_size), dtype)
     pages = np.arange(1, num_pages, dtype=np.int32)
     slots = pages[np.arange(T) // page_size] * page_size + np.arange(T) % page_size
     md = AttentionMetadata(

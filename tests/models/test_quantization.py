@@ -102,11 +102,11 @@ def test_bad_quantization_names_the_field() -> None:
 def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> None:
     model_dir = save_tiny_hf("llama", str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)
-    model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend)
     ids = list(range(3, 60))
-    f = prompt_logits(model, params, ids)
-    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-        q = prompt_logits(model, params, ids, cache_dtype=dtype)
+    f = prompt_logits(LlamaForCausalLM(arch, jnp.float32, attention_backend=backend), params, ids)
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend, kv_cache_dtype=kv)
+        q = prompt_logits(model, params, ids)  # a uint8 cache holding fp8 bits
         assert np.isfinite(q).all()
         assert 0 < np.abs(q - f).max() < 0.05 * np.abs(f).max()
 

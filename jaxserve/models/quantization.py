@@ -11,13 +11,14 @@ A group of 64 costs nothing in speed (the scaling fuses into the same convert) a
 float32 from 96.5% (one scale per output channel) to 98.4%. An input dimension that
 64 does not divide gets one scale per output channel.
 
-Any checkpoint is quantized at load (host NumPy, after the loader and the head
-adaptation for tensor parallelism), so every format and platform gets it. The
-layout is PyTorch's `[out, in]`, not Flax's `[in, out]`: XLA's CPU matrix-vector
-product converts and reduces contiguous int8 rows best (one decode token, the
-default model's 30 layers: 11.9 ms against 17.5 ms for `[in, out]` and 31 ms in
-float32; equal to float32 at 64 tokens). Embedding rows are quantized the same
-way, so a tied LM head (`attend`) uses them as its output channels.
+Any checkpoint is quantized at load on the host, so every format and platform gets
+it: by the loaders one tensor at a time (`build_params`), or, when tensor parallelism
+must first pad or replicate heads on float weights, by `quantize_params` afterwards.
+The layout is PyTorch's `[out, in]`, not Flax's `[in, out]`: XLA's CPU matrix-vector
+product converts and reduces contiguous int8 rows best (the default model's 30 layers'
+projections at one token, measured alone: 11.9 ms against 17.5 ms for `[in, out]` and
+31 ms in float32; equal to float32 at 64 tokens). Embedding rows are quantized the
+same way, so a tied LM head (`attend`) uses them as its output channels.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import QUANTIZATION_METHODS
+
+GROUP_SIZE = 64
 
 # Projections quantized inside each decoder layer (all the matmuls but attention's own).
 _LAYER_PROJECTIONS = (
@@ -44,9 +47,6 @@ def check_quantization(method: str | None) -> None:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {method!r}"
         )
-
-
-GROUP_SIZE = 64
 
 
 def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,7 @@
 """Export the real runner's compiled step for a GPU or TPU, on any machine, and check it is device-clean.
 
     python scripts/export_step.py --platform cuda|tpu [--shapes default|llama3-8b]
+        [--quantization int8] [--kv-cache-dtype fp8]
 
 Builds `ModelRunner` exactly as the worker does on that platform (its `auto` attention
 backend, bfloat16), with abstract weights (nothing is allocated), and exports with
@@ -33,6 +34,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM, kv_cache_shape
+from jaxserve.models.llama import kv_cache_storage_dtype
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage
@@ -71,11 +73,15 @@ class Report:
     detail: str
 
 
-def build_runner(shapes: str, platform: str) -> tuple[ModelRunner, jax.ShapeDtypeStruct]:
-    """The worker's runner for `platform`, over abstract bfloat16 weights and cache."""
+def build_runner(
+    shapes: str, platform: str, quantization: str | None = None, kv_cache_dtype: str = "auto"
+) -> tuple[ModelRunner, jax.ShapeDtypeStruct]:
+    """The worker's runner for `platform`, over abstract bfloat16 (or int8) weights and cache."""
     arch = SHAPES[shapes]
-    model = LlamaForCausalLM(arch, jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform])
-    kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, NUM_PAGES, BLOCK_SIZE), jnp.bfloat16)
+    model = LlamaForCausalLM(arch, jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
+                             quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, NUM_PAGES, BLOCK_SIZE),
+                              kv_cache_storage_dtype(kv_cache_dtype, jnp.bfloat16))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
     def init_all(module: LlamaForCausalLM, ids, pos, cache, md):  # decoder and LM head
@@ -140,11 +146,13 @@ def check_program(exported: export.Exported, donated_type: str | None) -> list[s
     return problems
 
 
-def export_step(shapes: str, platform: str) -> list[Report]:
-    runner, kv = build_runner(shapes, platform)
+def export_step(
+    shapes: str, platform: str, quantization: str | None = None, kv_cache_dtype: str = "auto"
+) -> list[Report]:
+    runner, kv = build_runner(shapes, platform, quantization, kv_cache_dtype)
     stage = runner.stages[0]
     S, H = MAX_NUM_SEQS, stage.model.cfg.hidden_size
-    kv_type = "tensor<" + "x".join(map(str, kv.shape)) + "xbf16>"
+    kv_type = "tensor<" + "x".join(map(str, kv.shape)) + ("xui8>" if kv.dtype == jnp.uint8 else "xbf16>")
     last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
     reports = []
     forward = jax.jit(runner._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -183,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--platform", choices=sorted(DISABLED_CHECKS), required=True)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="default")
+    p.add_argument("--quantization", choices=["int8"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto")
     args = p.parse_args(argv)
-    reports = export_step(args.shapes, args.platform)
+    reports = export_step(args.shapes, args.platform, args.quantization, args.kv_cache_dtype)
     for r in reports:
         print(f"{'ok  ' if r.ok else 'FAIL'} {args.platform} {args.shapes} {r.name}: {r.detail}")
     return 0 if all(r.ok for r in reports) else 1

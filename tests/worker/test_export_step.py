@@ -29,6 +29,14 @@ def test_step_exports_device_clean(platform: str, shapes: str) -> None:
         assert r.ok, f"{r.name}: {r.detail}"
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_int8_weights_and_fp8_cache_export_device_clean(platform: str) -> None:
+    reports = export_step.export_step("default", platform, quantization="int8", kv_cache_dtype="fp8")
+    assert len(reports) == 2 + 3 + 3
+    for r in reports:
+        assert r.ok, f"{r.name}: {r.detail}"
+
+
 def _exported(fn, *args, donate=()):
     return export.export(jax.jit(fn, donate_argnums=donate), platforms=["cuda"])(*args)
 

@@ -51,6 +51,12 @@ def test_positional_model_and_the_default_models_name() -> None:
     # The engine core's grammars read the same tokenizer as the API server.
     args = make_arg_parser().parse_args(["--model", "m", "--tokenizer", "some/tokenizer"])
     assert engine_config_from_args(args).model_config.tokenizer == "some/tokenizer"
+    # Quantization flags reach the engine config under vLLM's names.
+    config = engine_config_from_args(make_arg_parser().parse_args(
+        ["-q", "int8", "--kv-cache-dtype", "fp8"]))
+    assert config.model_config.quantization == "int8" and config.cache_config.cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["--kv-cache-dtype", "int4"])
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

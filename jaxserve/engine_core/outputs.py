@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists
 from jaxserve.engine_core.tracing import StepEntry, StepTrace
 from jaxserve.outputs import FinishReason
+
+if TYPE_CHECKING:
+    from jaxserve.engine_core.request import Request
 
 
 class EngineCoreEventType(enum.Enum):
@@ -55,6 +58,22 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def from_request(
+        cls, request: Request, new_token_ids: list[int], new_logprobs: LogprobsLists | None
+    ) -> EngineCoreOutput:
+        """This step's output of `request` (whose tokens, status and events are updated)."""
+        return cls(
+            request.req_id,
+            new_token_ids,
+            new_logprobs,
+            request.get_finished_reason(),
+            request.stop_reason,
+            request.num_cached_tokens,
+            request.take_events() if request.has_events else None,
+            request.take_prompt_logprobs(),
+        )
 
     def to_dict(self, steps: dict[int, list[Any]] | None = None) -> dict[str, Any]:
         """Plain types only, for msgpack. Its steps' shared facts go into `steps` (one table

@@ -21,6 +21,17 @@ def check_new_request(request: Request, max_model_len: int) -> None:
         )
 
 
+def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:
+    """Async scheduling: whether a request with output placeholders sits this step out,
+    because the tokens in flight already end it, or its grammar's next mask needs them."""
+    placeholders = request.num_output_placeholders
+    return (
+        request.num_output_tokens + placeholders >= request.max_tokens
+        or request.num_tokens + placeholders >= max_model_len
+        or request.sampling_params.structured_outputs is not None
+    )
+
+
 def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool:
     """Whether `last_token_id` (just appended) ends the request; sets its
     FINISHED_* status and stop_reason.

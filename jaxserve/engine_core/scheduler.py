@@ -40,7 +40,7 @@ from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue, select_victim
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxserve.engine_core.sched_utils import check_new_request, check_stop
+from jaxserve.engine_core.sched_utils import check_new_request, check_stop, waits_for_tokens_in_flight
 from jaxserve.engine_core.spec_decode import Drafter
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
@@ -125,26 +125,18 @@ class Scheduler:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status}")
         if isinstance(req_ids, str):
             req_ids = (req_ids,)
-        stopped_running: set[Request] = set()
-        stopped_waiting: list[Request] = []
+        stopped: list[tuple[Request, bool]] = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
-            if request is None:
-                continue
-            was_running = request.status is _RUNNING
-            if was_running:
-                stopped_running.add(request)
-            else:
-                stopped_waiting.append(request)
-            request.status = finished_status
-            self._free_request(request, was_running)
-        if stopped_running:
-            self.running = [r for r in self.running if r not in stopped_running]
-        if stopped_waiting:
-            self.waiting.remove_requests(stopped_waiting)
+            if request is not None:
+                was_running = request.status is _RUNNING
+                request.status = finished_status
+                self._free_request(request, was_running)
+                stopped.append((request, was_running))
+        self._drop_from_queues(stopped)
 
     def _free_request(self, request: Request, was_running: bool) -> None:
-        """Release a request whose FINISHED_* status is set."""
+        """Release a request whose FINISHED_* status is set (`_drop_from_queues` follows)."""
         # NOTE: only a RUNNING request is in the worker's batch; a preempted
         # one was already dropped through preempted_req_ids.
         if was_running:
@@ -153,6 +145,15 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.structured_output.remove_request(request.req_id)
         del self.requests[request.req_id]
+
+    def _drop_from_queues(self, stopped: list[tuple[Request, bool]]) -> None:
+        """Take freed requests (and whether each was running) out of `running` / `waiting`,
+        one pass over each."""
+        stopped_running = {r for r, was_running in stopped if was_running}
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        if len(stopped_running) < len(stopped):
+            self.waiting.remove_requests([r for r, was_running in stopped if not was_running])
 
     # --- schedule -----------------------------------------------------------
 
@@ -224,13 +225,7 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0 and len(scheduled_running_reqs) < max_reqs:
             request = running[req_index]
             placeholders = request.num_output_placeholders
-            if placeholders and (
-                request.num_output_tokens + placeholders >= request.max_tokens
-                or request.num_tokens + placeholders >= max_model_len
-                or request.sampling_params.structured_outputs is not None
-            ):
-                # Async: the tokens in flight already end the request, or its grammar's
-                # next mask needs the token in flight (it skips this step).
+            if placeholders and waits_for_tokens_in_flight(request, max_model_len):
                 req_index += 1
                 continue
             num_computed = request.num_computed_tokens
@@ -377,8 +372,7 @@ class Scheduler:
         prompt_lps = model_runner_output.prompt_logprobs
         requests = self.requests
         async_scheduling = self.async_scheduling
-        stopped_running: set[Request] = set()
-        stopped_waiting: list[Request] = []
+        stopped: list[tuple[Request, bool]] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None:
@@ -399,37 +393,17 @@ class Scheduler:
                 self.drafter.verified(len(drafts), len(new_token_ids))
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
-            status_before = request.status
-            new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            was_running = request.status is _RUNNING
+            new_token_ids, finished = self._update_request_with_output(request, new_token_ids)
             self.structured_output.accept_tokens(req_id, new_token_ids)
-            finish_reason = None
-            if stopped:
-                was_running = status_before is _RUNNING
-                if was_running:
-                    stopped_running.add(request)
-                else:
-                    stopped_waiting.append(request)
+            if finished:
+                stopped.append((request, was_running))
                 self._free_request(request, was_running)
-                finish_reason = request.get_finished_reason()
             new_logprobs = None
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(index, index + 1)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id,
-                    new_token_ids,
-                    new_logprobs,
-                    finish_reason,
-                    request.stop_reason,
-                    request.num_cached_tokens,
-                    request.take_events() if request.has_events else None,
-                    request.take_prompt_logprobs(),
-                )
-            )
-        if stopped_running:
-            self.running = [r for r in self.running if r not in stopped_running]
-        if stopped_waiting:
-            self.waiting.remove_requests(stopped_waiting)
+            outputs.append(EngineCoreOutput.from_request(request, new_token_ids, new_logprobs))
+        self._drop_from_queues(stopped)
         return outputs
 
     def _update_request_with_output(

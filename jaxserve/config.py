@@ -19,7 +19,15 @@ class SchedulingPolicy(enum.Enum):
 
 
 QUANTIZATION_METHODS = ("int8",)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels_pallas.FP8_KV_CACHE_DTYPES
+
+
+def check_quantization(method: str | None) -> None:
+    """Raise ValueError naming the field when `method` is not one we implement."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {method!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None  # None: the model's own
-    # "int8": per-channel int8 weights quantized at load (jaxserve/models/quantization.py).
+    # "int8": int8 weights quantized at load (jaxserve/models/quantization.py).
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -45,11 +53,7 @@ class ModelConfig:
             raise ValueError(
                 f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"
             )
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), "
-                f"got {self.quantization!r}"
-            )
+        check_quantization(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

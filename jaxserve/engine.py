@@ -50,10 +50,11 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     worker.config = config
     num_blocks = worker.determine_num_blocks()
     worker.initialize_cache(num_blocks)
+    cc = config.cache_config
     logger.info(
-        "KV cache: %d pages of %d tokens (%.2f GiB, %s)", num_blocks, config.cache_config.block_size,
+        "KV cache: %d pages of %d tokens (%.2f GiB, %s)", num_blocks, cc.block_size,
         num_blocks * worker.page_bytes() / 2**30,
-        {"auto": np.dtype(worker.kv_dtype).name}.get(config.cache_config.cache_dtype, config.cache_config.cache_dtype),
+        np.dtype(worker.kv_dtype).name if cc.cache_dtype == "auto" else cc.cache_dtype,
     )
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:

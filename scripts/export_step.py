@@ -38,7 +38,7 @@ from jaxserve.models.llama import kv_cache_storage_dtype
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage
-from jaxserve.config import ParallelConfig
+from jaxserve.config import KV_CACHE_DTYPES, ParallelConfig
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
 from jaxserve.worker.sampler_inputs import sampler_packing
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--platform", choices=sorted(DISABLED_CHECKS), required=True)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="default")
     p.add_argument("--quantization", choices=["int8"], default=None)
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = p.parse_args(argv)
     reports = export_step(args.shapes, args.platform, args.quantization, args.kv_cache_dtype)
     for r in reports:

@@ -30,24 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import QUANTIZATION_METHODS
+from jaxserve.config import check_quantization
 
 GROUP_SIZE = 64
-
-# Projections quantized inside each decoder layer (all the matmuls but attention's own).
-_LAYER_PROJECTIONS = (
-    ("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-    ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"),
-)
-
-
-def check_quantization(method: str | None) -> None:
-    """Raise ValueError naming the field when `method` is not one we implement."""
-    if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {method!r}"
-        )
-
 
 def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per output channel and group of `group_size` inputs: `w` [..., in, out]
@@ -83,22 +68,20 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
     check_quantization(method)
     if method is None:
         return params
-    p = dict(params["params"])
-    layers = {k: dict(v) if isinstance(v, dict) else v for k, v in p["layers"].items()}
-    for block, proj in _LAYER_PROJECTIONS:
-        leaf = dict(layers[block][proj])
-        if "kernel" not in leaf:  # loaded as int8 already
-            continue
-        qweight, scale = quantize_int8(leaf.pop("kernel"), in_axis=-2)
-        layers[block] = {**layers[block], proj: {**leaf, "qweight": qweight, "scale": scale}}
-    p["layers"] = layers
-    if "embedding" in p.get("embed_tokens", {}):
-        qweight, scale = quantize_int8(p["embed_tokens"]["embedding"], in_axis=-1)
-        p["embed_tokens"] = {"qweight": qweight, "scale": scale}
-    if "kernel" in p.get("lm_head", {}):
-        qweight, scale = quantize_int8(p["lm_head"]["kernel"], in_axis=-2)
-        p["lm_head"] = {"qweight": qweight, "scale": scale}
-    return {**params, "params": p}
+
+    def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
+        # Every Dense "kernel" [..., in, out] (layer projections, a separate LM head) and
+        # the embedding [vocab, hidden] become qweight / scale; other leaves stay.
+        node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
+        if "kernel" in node:
+            qweight, scale = quantize_int8(node.pop("kernel"), in_axis=-2)
+            node.update(qweight=qweight, scale=scale)
+        elif name == "embed_tokens" and "embedding" in node:
+            qweight, scale = quantize_int8(node.pop("embedding"), in_axis=-1)
+            node.update(qweight=qweight, scale=scale)
+        return node
+
+    return {**params, "params": walk(params["params"], "params")}
 
 
 # XLA's CPU backend dequantizes a matmul's weights into a temporary before the product: a

@@ -16,9 +16,6 @@ import numpy as np
 from jaxserve.models.arch_config import ArchConfig
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
-# HF name -> (qweight int8 [out, in], scale f32 [out, groups]) when the checkpoint stores the
-# tensor in our int8 format already (GGUF Q8_0), else None.
-GetInt8 = Callable[[str], tuple[np.ndarray, np.ndarray] | None]
 
 
 class WeightLoadError(ValueError):
@@ -66,25 +63,17 @@ def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np
     return t
 
 
-def _fetch_int8(
-    get: GetTensor, get_int8: GetInt8 | None, name: str, shape: tuple[int, int], source: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """One [out, in] matrix as int8 (models/quantization.py): the checkpoint's own int8
-    blocks when it has them, else quantized from its float tensor (only this one is float)."""
-    from jaxserve.models.quantization import num_groups, quantize_int8
+def _fetch_int8(get: GetTensor, name: str, shape: tuple[int, int], source: str) -> dict[str, np.ndarray]:
+    """One [out, in] matrix quantized to int8 at once (models/quantization.py), so only
+    this tensor is ever float."""
+    from jaxserve.models.quantization import quantize_int8
 
-    pre = get_int8(name) if get_int8 is not None else None
-    if pre is None:
-        return quantize_int8(_fetch(get, name, shape, source), in_axis=-1)
-    q, scale = pre
-    if q.shape != shape or scale.shape != (shape[0], num_groups(shape[1])):
-        raise WeightLoadError(f"{source}: tensor {name!r} has int8 shape {q.shape}, expected {shape}")
-    return q, scale
+    qweight, scale = quantize_int8(_fetch(get, name, shape, source), in_axis=-1)
+    return {"qweight": qweight, "scale": scale}
 
 
 def build_params(
-    cfg: ArchConfig, get: GetTensor, dtype: Any, source: str, quantization: str | None = None,
-    get_int8: GetInt8 | None = None,
+    cfg: ArchConfig, get: GetTensor, dtype: Any, source: str, quantization: str | None = None
 ) -> dict[str, Any]:
     """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
 
@@ -102,10 +91,8 @@ def build_params(
         for key in path[:-1]:
             node = node.setdefault(key, {})
         if quantization is not None and path[-1] == "kernel":
-            pairs = [_fetch_int8(get, get_int8, f"model.layers.{i}.{suffix}", shape, source)
-                     for i in range(L)]
-            node["qweight"] = np.stack([q for q, _ in pairs])
-            node["scale"] = np.stack([s for _, s in pairs])
+            per_layer = [_fetch_int8(get, f"model.layers.{i}.{suffix}", shape, source) for i in range(L)]
+            node.update({k: np.stack([t[k] for t in per_layer]) for k in ("qweight", "scale")})
             continue
         out_shape = shape[::-1] if transpose else shape
         stacked = np.empty((L, *out_shape), dtype)
@@ -115,8 +102,7 @@ def build_params(
         node[path[-1]] = stacked
     V, H = cfg.vocab_size, cfg.hidden_size
     if quantization is not None:
-        q, scale = _fetch_int8(get, get_int8, "model.embed_tokens.weight", (V, H), source)
-        embed = {"qweight": q, "scale": scale}
+        embed = _fetch_int8(get, "model.embed_tokens.weight", (V, H), source)
     else:
         embed = {"embedding": np.asarray(_fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
     params: dict[str, Any] = {
@@ -125,8 +111,7 @@ def build_params(
         "norm": {"scale": np.asarray(_fetch(get, "model.norm.weight", (H,), source), dtype)},
     }
     if not cfg.tie_word_embeddings and quantization is not None:
-        q, scale = _fetch_int8(get, get_int8, "lm_head.weight", (V, H), source)
-        params["lm_head"] = {"qweight": q, "scale": scale}
+        params["lm_head"] = _fetch_int8(get, "lm_head.weight", (V, H), source)
     elif not cfg.tie_word_embeddings:
         head = _fetch(get, "lm_head.weight", (V, H), source)
         params["lm_head"] = {"kernel": np.ascontiguousarray(head.T, dtype)}

@@ -35,6 +35,7 @@ from jax._src.lib.mlir import ir
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM, kv_cache_shape
 from jaxserve.models.llama import kv_cache_storage_dtype
+from jaxserve.models.quantization import param_tree
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage
@@ -87,8 +88,8 @@ def build_runner(
     def init_all(module: LlamaForCausalLM, ids, pos, cache, md):  # decoder and LM head
         return module.compute_logits(module(ids, pos, cache, md)[0])
 
-    params = jax.eval_shape(lambda *a: model.init(*a, method=init_all),
-                            jax.random.key(0), i32(16), i32(16), kv, md)
+    params = param_tree(jax.eval_shape(lambda *a: model.init(*a, method=init_all),
+                                       jax.random.key(0), i32(16), i32(16), kv, md))
     mesh = make_mesh(ParallelConfig())
     stage = Stage(0, (0, arch.num_hidden_layers), mesh, model, params, True, True, kv)
     runner = ModelRunner([stage], max_num_seqs=MAX_NUM_SEQS,

@@ -68,10 +68,14 @@ class SwiGLU(nn.Module):
     hidden_size: int
     dtype: jnp.dtype
     quantization: str | None = None
+    num_layers: int | None = None  # inside the layer scan (quantization.Int8Dense)
+    cpu_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda n, name: quant_dense(n, False, self.dtype, self.quantization, name)  # noqa: E731
-        gate = dense(self.intermediate_size, "gate_proj")(x)
-        up = dense(self.intermediate_size, "up_proj")(x)
-        return dense(self.hidden_size, "down_proj")(nn.silu(gate) * up)
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        def dense(n: int, name: str) -> nn.Module:
+            return quant_dense(n, False, self.dtype, self.quantization, name, self.num_layers,
+                               self.cpu_kernel)
+        gate = dense(self.intermediate_size, "gate_proj")(x, layer)
+        up = dense(self.intermediate_size, "up_proj")(x, layer)
+        return dense(self.hidden_size, "down_proj")(nn.silu(gate) * up, layer)

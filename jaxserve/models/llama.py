@@ -27,7 +27,7 @@ import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from jaxserve.models.quantization import dense as make_dense, embed as make_embed
+from jaxserve.models.quantization import INT8_LAYERS, dense as make_dense, embed as make_embed
 
 
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
@@ -109,10 +109,12 @@ class Attention(nn.Module):
     ) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         T = x.shape[0]
-        dense = lambda n, bias, name: make_dense(n, bias, self.dtype, self.quantization, name)  # noqa: E731
-        q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x)
-        k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x)
-        v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x)
+        def dense(n: int, bias: bool, name: str) -> nn.Module:
+            return make_dense(n, bias, self.dtype, self.quantization, name, cfg.num_hidden_layers,
+                              cpu_kernel=self.mesh is None)
+        q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
+        k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
+        v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
         q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
@@ -137,7 +139,7 @@ class Attention(nn.Module):
                 out_specs=(heads, cache), check_vma=False,
             )
         out, kv_cache = attend(q, k, v, kv_cache, layer_idx, md)
-        out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size))
+        out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)
         return out, kv_cache
 
 
@@ -169,7 +171,8 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
-        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, self.quantization, name="mlp")(mlp_in)
+        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, self.quantization,
+                       cfg.num_hidden_layers, self.mesh is None, name="mlp")(mlp_in, layer_idx)
         return (h, kv_cache), None
 
 
@@ -187,10 +190,13 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.quantization)
+        cpu_kernel = self.mesh is None  # the CPU int8 kernel has no sharding rule
+        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.quantization,
+                                       cpu_kernel)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
+            variable_broadcast=INT8_LAYERS,  # the whole int8 stack, indexed by layer inside
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
@@ -198,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
           self.quantization, self.kv_cache_dtype)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make_dense(cfg.vocab_size, False, self.dtype, self.quantization)
+            self.lm_head = make_dense(cfg.vocab_size, False, self.dtype, self.quantization,
+                                      cpu_kernel=cpu_kernel)
 
     def __call__(
         self,

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import check_quantization
 
 GROUP_SIZE = 64
@@ -51,12 +52,8 @@ def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> 
     return np.ascontiguousarray(q.reshape(w.shape)), scale
 
 
-def dequantize_int8(qweight: Any, scale: Any) -> Any:
-    """qweight [..., out, in], scale [..., out, groups] -> float [..., out, in]; NumPy or JAX."""
-    groups = scale.shape[-1]
-    *lead, n_in = qweight.shape
-    w = qweight.astype(scale.dtype).reshape(*lead, groups, n_in // groups) * scale[..., None]
-    return w.reshape(*lead, n_in)
+# qweight [..., out, in], scale [..., out, groups] -> float [..., out, in]; NumPy or JAX.
+dequantize_int8 = int8_kernel.dequantize
 
 
 def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any]:
@@ -84,6 +81,13 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
     return {**params, "params": walk(params["params"], "params")}
 
 
+# The layer scan's int8 weights are a collection of their own, broadcast whole into the scan
+# (`nn.scan(variable_broadcast=INT8_LAYERS)`) rather than sliced per layer: XLA copies a
+# scanned slice before a custom call can read it (106 MB a step for the default model), and
+# the CPU kernel takes the stack and the layer index instead. The stored param tree keeps
+# them under "params" like every other leaf; `model_variables` moves them for `apply`.
+INT8_LAYERS = "int8_layers"
+
 # XLA's CPU backend dequantizes a matmul's weights into a temporary before the product: a
 # temporary that stays in cache costs little, one of 100 MB (the default model's 49152 x 576
 # LM head in float32) costs 44 ms a step against 3.8 ms for float32 weights. So on the CPU a
@@ -91,6 +95,7 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
 # CHUNK_ELEMENTS, in a loop (LM head: 2.5 ms at one token against 3.2 ms in float32, and
 # equal at 64; chunks of 2^19 took 5.7 ms). Layer matrices (at most 1 M elements here) are
 # not chunked: chunking them doubled a decode step. Measured, not derived: XLA CPU's choices.
+# Few tokens skip all this: the CPU kernel (kernels_pallas.int8_matmul) reads int8 directly.
 CHUNK_ABOVE = 1 << 22
 CHUNK_ELEMENTS = 1 << 21
 
@@ -105,8 +110,16 @@ def _row_chunks(out: int, n_in: int) -> int:
     return n
 
 
-def _matmul_rows(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., in] @ dequantized(qweight [out, in]).T."""
+def _matmul_rows(
+    x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array | None = None,
+    cpu_kernel: bool = True,
+) -> jax.Array:
+    """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T."""
+    if cpu_kernel and int8_kernel.cpu_kernel_applies(x, qweight, scale):
+        return int8_kernel.int8_matmul(x, qweight, scale, layer)
+    if qweight.ndim == 3:
+        qweight = jax.lax.dynamic_index_in_dim(qweight, layer, keepdims=False)
+        scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
     scale = scale.astype(x.dtype)
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     out, n_in = qweight.shape
@@ -124,19 +137,39 @@ def num_groups(n_in: int) -> int:
     return n_in // GROUP_SIZE if n_in % GROUP_SIZE == 0 else 1
 
 
+class Dense(nn.Dense):
+    """`nn.Dense` that takes (and ignores) the layer index `Int8Dense` needs in the scan."""
+
+    def __call__(self, inputs: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        return super().__call__(inputs)
+
+
 class Int8Dense(nn.Module):
-    """`nn.Dense` with int8 weights: params `qweight` [out, in], `scale` [out, groups], `bias`."""
+    """`nn.Dense` with int8 weights: params `qweight` [out, in], `scale` [out, groups], `bias`.
+
+    Inside the layer scan (`num_layers` set) `qweight` / `scale` are the whole stack
+    [num_layers, ...] in the INT8_LAYERS collection and `layer` picks this layer's.
+    `cpu_kernel=False` keeps XLA's matmul (tensor parallel: the kernel has no sharding rule).
+    """
 
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
+    num_layers: int | None = None
+    cpu_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         n_in = x.shape[-1]
-        qweight = self.param("qweight", nn.initializers.zeros_init(), (self.features, n_in), jnp.int8)
-        scale = self.param("scale", nn.initializers.ones, (self.features, num_groups(n_in)), jnp.float32)
-        y = _matmul_rows(x.astype(self.dtype), qweight, scale)
+        shape, scale_shape = (self.features, n_in), (self.features, num_groups(n_in))
+        if self.num_layers is None:
+            qweight = self.param("qweight", nn.initializers.zeros_init(), shape, jnp.int8)
+            scale = self.param("scale", nn.initializers.ones, scale_shape, jnp.float32)
+        else:
+            L = self.num_layers
+            qweight = self.variable(INT8_LAYERS, "qweight", jnp.zeros, (L, *shape), jnp.int8).value
+            scale = self.variable(INT8_LAYERS, "scale", jnp.ones, (L, *scale_shape), jnp.float32).value
+        y = _matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
         return y
@@ -148,6 +181,7 @@ class Int8Embed(nn.Module):
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
+    cpu_kernel: bool = True
 
     def setup(self) -> None:
         self.qweight = self.param(
@@ -160,23 +194,75 @@ class Int8Embed(nn.Module):
         return dequantize_int8(rows, jnp.take(self.scale, ids, axis=0).astype(self.dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return _matmul_rows(x.astype(self.dtype), self.qweight, self.scale)
+        return _matmul_rows(x.astype(self.dtype), self.qweight, self.scale, None, self.cpu_kernel)
 
 
 def dense(
-    features: int, use_bias: bool, dtype: Any, quantization: str | None, name: str | None = None
+    features: int, use_bias: bool, dtype: Any, quantization: str | None, name: str | None = None,
+    num_layers: int | None = None, cpu_kernel: bool = True,
 ) -> nn.Module:
-    """The projection module for a quantization method (None: float `nn.Dense`)."""
+    """The projection for a quantization method (None: float `Dense`); called `(x, layer)`.
+    `num_layers`: the module is inside the layer scan of that many layers."""
     if quantization == "int8":
-        return Int8Dense(features, use_bias, dtype, name=name)
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+        return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
+    return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
-def embed(num_embeddings: int, features: int, dtype: Any, quantization: str | None) -> nn.Module:
+def embed(
+    num_embeddings: int, features: int, dtype: Any, quantization: str | None, cpu_kernel: bool = True
+) -> nn.Module:
     """The token embedding for a quantization method (None: float `nn.Embed`)."""
     if quantization == "int8":
-        return Int8Embed(num_embeddings, features, dtype)
+        return Int8Embed(num_embeddings, features, dtype, cpu_kernel)
     return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
+
+
+def _is_int8_leaf(node: dict[str, Any], key: str) -> bool:
+    return "qweight" in node and key in ("qweight", "scale")
+
+
+def model_variables(params: dict[str, Any]) -> dict[str, Any]:
+    """The stored tree `{"params": ...}` as the model's variables for `apply`: the layer
+    scan's int8 `qweight` / `scale` move to the INT8_LAYERS collection (same paths)."""
+    layers = params["params"].get("layers")
+    if not isinstance(layers, dict):
+        return params
+
+    def split(node: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        rest: dict[str, Any] = {}
+        int8: dict[str, Any] = {}
+        for k, v in node.items():
+            if isinstance(v, dict):
+                r, q = split(v)
+                if r:
+                    rest[k] = r
+                if q:
+                    int8[k] = q
+            elif _is_int8_leaf(node, k):
+                int8[k] = v
+            else:
+                rest[k] = v
+        return rest, int8
+
+    rest, int8 = split(layers)
+    if not int8:
+        return params
+    return {**params, "params": {**params["params"], "layers": rest}, INT8_LAYERS: {"layers": int8}}
+
+
+def param_tree(variables: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `model_variables` (e.g. for `model.init`'s output): one "params" tree."""
+    if INT8_LAYERS not in variables:
+        return variables
+
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) else v
+        return out
+
+    rest = {k: v for k, v in variables.items() if k != INT8_LAYERS}
+    return {**rest, "params": merge(variables["params"], variables[INT8_LAYERS])}
 
 
 def param_bytes(params: Any) -> int:

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
+from jaxserve.models.quantization import model_variables
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
@@ -146,6 +147,7 @@ class ModelRunner:
         """
         inp = StepInputs(**self.forward_packing(num_tokens).unpack(buf))
         st = self.stages[index]
+        params = model_variables(params)  # int8 layer weights: a collection of their own
         if st.is_first:
             input_ids = jnp.where(inp.prev_slot >= 0, x[jnp.maximum(inp.prev_slot, 0)], inp.input_ids)
             x = st.model.apply(params, input_ids, method=LlamaForCausalLM.embed)

@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM, kv_cache_shape
 from jaxserve.models.llama import kv_cache_storage_dtype
+from jaxserve.models.quantization import model_variables
 
 
 def prompt_logits(model: LlamaForCausalLM, params, token_ids: list[int], page_size: int = 16) -> np.ndarray:
@@ -28,6 +29,7 @@ def prompt_logits(model: LlamaForCausalLM, params, token_ids: list[int], page_si
 
     @jax.jit
     def run(params, ids, pos, cache, md):
+        params = model_variables(params)
         h, _ = model.apply(params, ids, pos, cache, md)
         return model.apply(params, h, method=LlamaForCausalLM.compute_logits)
 

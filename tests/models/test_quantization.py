@@ -11,7 +11,8 @@ import pytest
 from jaxserve.config import ModelConfig, make_engine_config
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
-from jaxserve.models.quantization import dequantize_int8, param_bytes, quantize_int8, quantize_params
+from jaxserve.models.quantization import (
+    INT8_LAYERS, dequantize_int8, model_variables, param_bytes, param_tree, quantize_int8, quantize_params)
 from jaxserve.parallel.sharding import param_shardings
 from tests.models.forward import prompt_logits
 from tests.models.tiny import save_tiny_hf
@@ -72,13 +73,49 @@ def test_int8_model_is_the_dequantized_float_model(overrides: dict, tmp_path) ->
     assert ("lm_head/qweight" in kinds) == (not arch.tie_word_embeddings)
     assert param_bytes(qparams) < 0.4 * param_bytes(params)
 
+    qmodel, fmodel = LlamaForCausalLM(arch, jnp.float32, quantization="int8"), LlamaForCausalLM(arch, jnp.float32)
+    dparams = _dequantized_float_params(qparams)
+    # 57 tokens take the CPU int8 kernel, 100 XLA's matmul (CPU_KERNEL_MAX_TOKENS = 64).
+    long_ids = list(range(3, 103))
+    q_long, d_long = prompt_logits(qmodel, qparams, long_ids), prompt_logits(fmodel, dparams, long_ids)
+    assert np.abs(q_long - d_long).max() < 1e-4 * np.abs(d_long).max()
     ids = list(range(3, 60))
-    q = prompt_logits(LlamaForCausalLM(arch, jnp.float32, quantization="int8"), qparams, ids)
-    d = prompt_logits(LlamaForCausalLM(arch, jnp.float32), _dequantized_float_params(qparams), ids)
-    f = prompt_logits(LlamaForCausalLM(arch, jnp.float32), params, ids)
+    q = prompt_logits(qmodel, qparams, ids)
+    d = prompt_logits(fmodel, dparams, ids)
+    f = prompt_logits(fmodel, params, ids)
     assert np.abs(q - d).max() < 1e-4 * np.abs(d).max()
     # int8 moves the logits by a fraction of their spread, not more.
     assert np.abs(q - f).max() < 0.05 * np.abs(f).max()
+
+
+def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
+    # The layer scan takes int8 weights whole (INT8_LAYERS, broadcast) and indexes them itself.
+    model_dir = save_tiny_hf("qwen2", str(tmp_path), tie_word_embeddings=False)
+    arch, params = load_checkpoint(model_dir, np.float32)
+    qparams = quantize_params(params, "int8")
+    variables = model_variables(qparams)
+    moved = variables[INT8_LAYERS]["layers"]
+    assert set(moved["self_attn"]["q_proj"]) == {"qweight", "scale"}
+    assert moved["self_attn"]["q_proj"]["qweight"].shape[0] == arch.num_hidden_layers
+    layers = variables["params"]["layers"]
+    assert set(layers["self_attn"]["q_proj"]) == {"bias"} and "o_proj" not in layers["self_attn"]
+    assert "scale" in layers["input_layernorm"]  # a norm's scale is not an int8 scale
+    assert "qweight" in variables["params"]["lm_head"]  # outside the scan: stays
+    back = param_tree(variables)
+    assert jax.tree.structure(back) == jax.tree.structure(qparams)
+    assert all(a is b for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(qparams)))
+    assert model_variables(params) is params  # float: nothing moves
+    # model.init declares the same split, and param_tree gives the loaders' layout.
+    ids = jnp.zeros((4,), jnp.int32)
+    from jaxserve.models import AttentionMetadata, kv_cache_shape
+    md = AttentionMetadata(ids, ids[:1], jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
+    model = LlamaForCausalLM(arch, jnp.float32, quantization="int8")
+    init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(kv_cache_shape(arch, 3, 16)), md))
+    assert INT8_LAYERS in init
+    shapes = lambda t: jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), t)  # noqa: E731
+    # init has no LM head here (only __call__ ran), the loaders' tree has one.
+    loaded = {**qparams, "params": {k: v for k, v in qparams["params"].items() if k != "lm_head"}}
+    assert shapes(param_tree(init)) == shapes(loaded)
 
 
 def test_every_int8_leaf_has_a_sharding_rule(tmp_path) -> None:

@@ -1,0 +1,81 @@
+"""int8-weight matrix products: `x @ dequantize(qweight[layer], scale[layer]).T`.
+
+    qweight  int8 [(L,) N, K]   symmetric int8 rows (output channels), K inputs each
+    scale    f32  [(L,) N, G]   one scale per output channel and group of K // G inputs
+    layer    int32 []           which of L stacked layers (a layer scan passes the whole stack)
+
+Two implementations, the same numbers (float32 accumulation of the same products):
+
+- `reference`: XLA. Dequantizes to x's dtype and calls `dot_general`; on GPU and TPU XLA
+  fuses the conversion into the matmul. Used for many tokens (prefill) everywhere.
+- `cpu`: an XLA FFI custom call in C++/AVX2 (`int8_matmul_cpu.cc`), built with the system's
+  g++ on first use (`cpu.py`). For decode-sized token counts on the CPU, where XLA writes the
+  dequantized weights to a float temporary and copies a stacked layer's slice: it reads each
+  int8 weight once and converts it in registers.
+
+`int8_matmul(..., backend="auto")` picks `cpu` through `platform_dependent` (so an export
+for cuda/tpu lowers the reference) when `cpu_kernel_applies`: XLA's default backend is the
+CPU, the kernel built, and at most CPU_KERNEL_MAX_TOKENS float32 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.int8_matmul import cpu
+from kernels_pallas.int8_matmul.reference import dequantize, int8_matmul_reference
+
+# Measured on 2 cores (scripts/bench_int8_matmul.py, default-model shapes): the kernel is
+# 1.9x faster than XLA at 1 token and 1.13x at 64; at 128 XLA's float matmul on the
+# dequantized temporary wins (0.8x), having amortised the conversion over more tokens.
+CPU_KERNEL_MAX_TOKENS = 64
+
+__all__ = ["CPU_KERNEL_MAX_TOKENS", "cpu_kernel_applies", "dequantize", "int8_matmul",
+           "int8_matmul_reference"]
+
+
+def cpu_kernel_applies(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> bool:
+    """Whether `backend="auto"` runs the CPU kernel for these operands."""
+    num_tokens = math.prod(x.shape[:-1])
+    return (jax.default_backend() == "cpu" and num_tokens <= CPU_KERNEL_MAX_TOKENS
+            and cpu.supports(num_tokens, x.shape[-1], scale.shape[-1], x.dtype))
+
+
+def int8_matmul(
+    x: jax.Array,
+    qweight: jax.Array,
+    scale: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    backend: str = "auto",
+) -> jax.Array:
+    """x [..., K] (float) times layer `layer` of int8 weights -> [..., N] in x's dtype.
+
+    backend: "auto" (the CPU kernel where `cpu_kernel_applies`, else the reference),
+    "reference", or "cpu" (the kernel; raises ValueError where it cannot run).
+    """
+    if backend not in ("auto", "reference", "cpu"):
+        raise ValueError(f"backend must be auto, reference or cpu, not {backend!r}")
+    if qweight.ndim not in (2, 3) or scale.ndim != qweight.ndim:
+        raise ValueError(f"qweight [(L,) N, K] and scale [(L,) N, G], got {qweight.shape} and {scale.shape}")
+    if (qweight.ndim == 3) != (layer is not None):
+        raise ValueError("layer is required for stacked [L, N, K] weights, and only for them")
+    layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    def reference() -> jax.Array:
+        return int8_matmul_reference(x, qweight, scale, layer)
+
+    if backend == "reference":
+        return reference()
+    if backend == "cpu":
+        why = cpu.why_not(math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1], x.dtype)
+        if why:
+            raise ValueError(f"the CPU int8 kernel cannot run here: {why}")
+        return cpu.int8_matmul_cpu(x, qweight, scale, layer)
+    if not cpu_kernel_applies(x, qweight, scale):
+        return reference()
+    return jax.lax.platform_dependent(
+        cpu=lambda: cpu.int8_matmul_cpu(x, qweight, scale, layer), default=reference)

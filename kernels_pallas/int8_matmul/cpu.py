@@ -1,0 +1,111 @@
+"""Build, load and call the C++ CPU int8 matmul (`int8_matmul_cpu.cc`, an XLA FFI handler).
+
+Built on first use with the system's C++ compiler (`$CXX`, else g++) against jaxlib's FFI
+headers, into `$KERNELS_PALLAS_CACHE` (default `~/.cache/kernels_pallas`), named by a hash
+of the source, the flags and the jaxlib version, so an upgrade rebuilds and several
+processes share one build (written to a temporary name, then renamed). Where there is no
+compiler, the CPU lacks AVX2/FMA, or the build fails, `available()` is False (with the
+reason in `unavailable_reason()`) and callers use the XLA reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int8_matmul_cpu.cc")
+TARGET = "kernels_pallas_int8_matmul_cpu"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+# The kernel's vector loop takes 32 inputs at a time within a group.
+K_MULTIPLE = 32
+
+_reason: list[str] = []
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KERNELS_PALLAS_CACHE", "~/.cache/kernels_pallas")).expanduser()
+
+
+def _build() -> Path:
+    wanted = os.environ.get("CXX")  # when set, that compiler or none
+    cxx = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler {os.environ.get('CXX') or 'g++'!r} (set CXX or install g++)")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode() + cxx.encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"int8_matmul_cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent build of the same key is identical
+    return out
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (once per machine), load and register the FFI target; False if impossible."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        if not lib.int8_matmul_cpu_supported():
+            raise RuntimeError("this CPU lacks AVX2/FMA")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Int8MatmulCpu), platform="cpu")
+        return True
+    except Exception as e:  # any failure means: use the XLA reference
+        _reason.append(str(e))
+        logger.warning("CPU int8 kernel unavailable, using XLA's int8 matmul: %s", e)
+        return False
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on the first call)."""
+    return _load()
+
+
+def unavailable_reason() -> str | None:
+    return _reason[0] if _reason else None
+
+
+def why_not(num_tokens: int, k: int, groups: int, dtype: jnp.dtype) -> str | None:
+    """Why the kernel cannot take these shapes (None: it can)."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"activations must be float32, not {jnp.dtype(dtype)}"
+    if groups <= 0 or k % groups or (k // groups) % K_MULTIPLE:
+        return f"each of the {groups} groups of K={k} inputs must be a multiple of {K_MULTIPLE}"
+    if num_tokens < 1:
+        return "no tokens"
+    if not available():
+        return unavailable_reason() or "not built"
+    return None
+
+
+def supports(num_tokens: int, k: int, groups: int, dtype: jnp.dtype) -> bool:
+    return why_not(num_tokens, k, groups, dtype) is None
+
+
+def int8_matmul_cpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array) -> jax.Array:
+    """The custom call: x [..., K] f32, qweight [(L,) N, K] int8, scale [(L,) N, G] f32."""
+    lead, n = x.shape[:-1], qweight.shape[-2]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+        x2, qweight, scale.astype(jnp.float32), layer.astype(jnp.int32))
+    return y.reshape(*lead, n)

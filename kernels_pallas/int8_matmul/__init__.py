@@ -41,9 +41,8 @@ __all__ = ["CPU_KERNEL_MAX_TOKENS", "cpu_kernel_applies", "dequantize", "int8_ma
 
 def cpu_kernel_applies(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> bool:
     """Whether `backend="auto"` runs the CPU kernel for these operands."""
-    num_tokens = math.prod(x.shape[:-1])
-    return (jax.default_backend() == "cpu" and num_tokens <= CPU_KERNEL_MAX_TOKENS
-            and cpu.supports(num_tokens, x.shape[-1], scale.shape[-1], x.dtype))
+    return (jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) <= CPU_KERNEL_MAX_TOKENS
+            and cpu.supports(x, qweight, scale))
 
 
 def int8_matmul(
@@ -73,7 +72,7 @@ def int8_matmul(
     if backend == "reference":
         return reference()
     if backend == "cpu":
-        why = cpu.why_not(math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1], x.dtype)
+        why = cpu.why_not(x, qweight, scale)
         if why:
             raise ValueError(f"the CPU int8 kernel cannot run here: {why}")
         return cpu.int8_matmul_cpu(x, qweight, scale, layer)

@@ -14,10 +14,13 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -28,7 +31,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_matmul_cpu.cc")
 TARGET = "kernels_pallas_int8_matmul_cpu"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+# The C++ runtime linked in statically: a process may already have loaded an older
+# libstdc++ (a conda Python) than the one the system's g++ builds against.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
+         "-static-libstdc++", "-static-libgcc")
+BUILD_TIMEOUT_S = 300
 # The kernel's vector loop takes 32 inputs at a time within a group.
 K_MULTIPLE = 32
 
@@ -36,16 +43,25 @@ _reason: list[str] = []
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("KERNELS_PALLAS_CACHE", "~/.cache/kernels_pallas")).expanduser()
+    """$KERNELS_PALLAS_CACHE, else ~/.cache/kernels_pallas, else a per-user temporary dir."""
+    if "KERNELS_PALLAS_CACHE" in os.environ:
+        return Path(os.environ["KERNELS_PALLAS_CACHE"]).expanduser()
+    home = Path("~/.cache/kernels_pallas").expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:  # a read-only home
+        return Path(tempfile.gettempdir()) / f"kernels_pallas-{os.getuid()}"
 
 
 def _build() -> Path:
-    wanted = os.environ.get("CXX")  # when set, that compiler or none
-    cxx = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    wanted = shlex.split(os.environ.get("CXX", ""))  # when set, that compiler (e.g. "ccache g++") or none
+    found = shutil.which(wanted[0]) if wanted else shutil.which("g++") or shutil.which("c++")
+    if found is None:
         raise RuntimeError(f"no C++ compiler {os.environ.get('CXX') or 'g++'!r} (set CXX or install g++)")
+    cxx = [found, *wanted[1:]]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode() + cxx.encode()
+        SOURCE.read_bytes() + " ".join((*FLAGS, *cxx)).encode() + jaxlib.__version__.encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"int8_matmul_cpu-{key}.so"
     if out.exists():
@@ -53,17 +69,19 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
         os.replace(tmp_out, out)  # atomic: a concurrent build of the same key is identical
     return out
 
 
+_LOCK = threading.Lock()
+
+
 @functools.cache
-def _load() -> bool:
-    """Build (once per machine), load and register the FFI target; False if impossible."""
+def _load_once() -> bool:
     try:
         lib = ctypes.CDLL(str(_build()))
         if not lib.int8_matmul_cpu_supported():
@@ -76,6 +94,12 @@ def _load() -> bool:
         return False
 
 
+def _load() -> bool:
+    """Build (once per machine), load and register the FFI target; False if impossible."""
+    with _LOCK:  # one build and one registration when several threads trace at once
+        return _load_once()
+
+
 def available() -> bool:
     """Whether the kernel is built and registered (builds it on the first call)."""
     return _load()
@@ -85,10 +109,15 @@ def unavailable_reason() -> str | None:
     return _reason[0] if _reason else None
 
 
-def why_not(num_tokens: int, k: int, groups: int, dtype: jnp.dtype) -> str | None:
-    """Why the kernel cannot take these shapes (None: it can)."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return f"activations must be float32, not {jnp.dtype(dtype)}"
+def why_not(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> str | None:
+    """Why the kernel cannot take these operands (None: it can)."""
+    num_tokens, k, groups = math.prod(x.shape[:-1]), x.shape[-1], scale.shape[-1]
+    if jnp.dtype(x.dtype) != jnp.float32:
+        return f"activations must be float32, not {jnp.dtype(x.dtype)}"
+    if jnp.dtype(qweight.dtype) != jnp.int8:
+        return f"weights must be int8, not {jnp.dtype(qweight.dtype)}"
+    if qweight.shape[-1] != k or scale.shape[:-1] != qweight.shape[:-1]:
+        return f"shapes disagree: x {x.shape}, qweight {qweight.shape}, scale {scale.shape}"
     if groups <= 0 or k % groups or (k // groups) % K_MULTIPLE:
         return f"each of the {groups} groups of K={k} inputs must be a multiple of {K_MULTIPLE}"
     if num_tokens < 1:
@@ -98,14 +127,15 @@ def why_not(num_tokens: int, k: int, groups: int, dtype: jnp.dtype) -> str | Non
     return None
 
 
-def supports(num_tokens: int, k: int, groups: int, dtype: jnp.dtype) -> bool:
-    return why_not(num_tokens, k, groups, dtype) is None
+def supports(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> bool:
+    return why_not(x, qweight, scale) is None
 
 
 def int8_matmul_cpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array) -> jax.Array:
     """The custom call: x [..., K] f32, qweight [(L,) N, K] int8, scale [(L,) N, G] f32."""
     lead, n = x.shape[:-1], qweight.shape[-2]
     x2 = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                         vmap_method="sequential")(
         x2, qweight, scale.astype(jnp.float32), layer.astype(jnp.int32))
     return y.reshape(*lead, n)

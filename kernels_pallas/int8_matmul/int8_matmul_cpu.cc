@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -91,6 +93,9 @@ void rows(const float* x, const int8_t* w, const float* s, float* y, int64_t M, 
   }
 }
 
+// Row chunks per call: enough for every core to stay busy whatever the others are doing.
+constexpr int64_t kChunks = 16;
+
 class Pool {
  public:
   static Pool& get() {
@@ -120,16 +125,29 @@ class Pool {
       std::lock_guard<std::mutex> lk(mu_);
       open_ = false;  // no helper joins from now on
     }
-    while (active_.load(std::memory_order_acquire) > 0) _mm_pause();
+    // Helpers still on their last chunk: poll, and yield now and then so that a helper
+    // preempted on a loaded machine can get the core back.
+    for (int spins = 0; active_.load(std::memory_order_acquire) > 0; ++spins) {
+      if (spins % 1024 == 1023) sched_yield();
+      else _mm_pause();
+    }
   }
 
  private:
   Pool() {
     cpu_set_t set;
-    int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    if (const char* v = std::getenv("KERNELS_PALLAS_INT8_THREADS")) cores = std::max(1, std::atoi(v));
-    for (int i = 1; i < cores; ++i) helpers_.emplace_back([this] { helper(); });
-    for (auto& t : helpers_) t.detach();
+    long cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    if (const char* v = std::getenv("KERNELS_PALLAS_INT8_THREADS")) cores = std::strtol(v, nullptr, 10);
+    // A call has about kChunks chunks, so more helpers than that would only wait.
+    cores = std::clamp(cores, 1L, static_cast<long>(kChunks));
+    for (long i = 1; i < cores; ++i) {
+      try {
+        helpers_.emplace_back([this] { helper(); });
+        helpers_.back().detach();
+      } catch (const std::system_error&) {
+        break;  // out of threads (a container's limit): run with the helpers we have
+      }
+    }
   }
 
   void work() {
@@ -174,28 +192,35 @@ class Pool {
 };
 
 ffi::Error Int8MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::F32> scale, ffi::BufferR0<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions(), sd = scale.dimensions();
+  const auto yd = y->dimensions();
   const size_t r = wd.size();
-  if (xd.size() != 2 || (r != 2 && r != 3) || sd.size() != r)
+  if (xd.size() != 2 || (r != 2 && r != 3) || sd.size() != r || yd.size() != 2)
     return ffi::Error::InvalidArgument("int8_matmul: x [M, K], qweight [(L,) N, K], scale [(L,) N, G]");
   const int64_t M = xd[0], K = xd[1], N = wd[r - 2], G = sd[r - 1];
   const int64_t L = r == 3 ? wd[0] : 1;
-  const int64_t l = layer.typed_data()[0];
-  if (wd[r - 1] != K || sd[r - 2] != N || G <= 0 || K % G != 0 || (K / G) % 32 != 0)
+  if (wd[r - 1] != K || sd[r - 2] != N || (r == 3 && sd[0] != L) || yd[0] != M || yd[1] != N)
+    return ffi::Error::InvalidArgument("int8_matmul: operand shapes disagree");
+  if (G <= 0 || K % G != 0 || (K / G) % 32 != 0)
     return ffi::Error::InvalidArgument("int8_matmul: K must be G groups of a multiple of 32");
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("int8_matmul: layer out of range");
+  // Clamped like XLA's dynamic index (the reference), rather than read out of bounds.
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
   const float* xp = x.typed_data();
   const int8_t* wp = qweight.typed_data() + l * N * K;
   const float* sp = scale.typed_data() + l * N * G;
   float* yp = y->typed_data();
-  // Chunks of rows: enough for both cores to stay busy, each a multiple of 8 rows.
-  const int64_t chunk = std::max<int64_t>(8, (N / 16 + 7) / 8 * 8);
+  // kChunks chunks of rows, each a multiple of 8 rows.
+  const int64_t chunk = std::max<int64_t>(8, (N / kChunks + 7) / 8 * 8);
   const int64_t chunks = (N + chunk - 1) / chunk;
-  Pool::get().run(chunks, [&](int64_t c) {
-    rows(xp, wp, sp, yp, M, K, N, G, c * chunk, std::min(N, (c + 1) * chunk));
-  });
+  try {  // no C++ exception may cross the FFI boundary
+    Pool::get().run(chunks, [&](int64_t c) {
+      rows(xp, wp, sp, yp, M, K, N, G, c * chunk, std::min(N, (c + 1) * chunk));
+    });
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("int8_matmul: ") + e.what());
+  }
   return ffi::Error::Success();
 }
 
@@ -206,7 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int int8_matmul_cpu_supported() {

@@ -104,6 +104,11 @@ def test_bad_arguments_raise_value_errors():
     x40, q40, s40 = operands(np.random.default_rng(4), 2, 8, 40, 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         int8_matmul(x40, q40, s40, backend="cpu")
+    with pytest.raises(ValueError, match="shapes disagree"):  # a scale stack of other depth
+        int8_matmul(x, jnp.stack([q] * 4), jnp.stack([s]), 3, backend="cpu")
+    with pytest.raises(ValueError, match="must be int8"):
+        int8_matmul(x, q.astype(jnp.uint8), s, backend="cpu")
+    assert not cpu_kernel_applies(x, q.astype(jnp.uint8), s)  # "auto": the reference takes it
     # "auto" falls back to the reference for shapes the kernel does not take.
     np.testing.assert_allclose(np.asarray(int8_matmul(x40, q40, s40)), numpy_matmul(x40, q40, s40),
                                rtol=1e-5, atol=1e-4)

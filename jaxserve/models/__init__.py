@@ -2,14 +2,13 @@
 
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
-from jaxserve.models.llama import LlamaForCausalLM, kv_cache_shape
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.registry import resolve_architecture, supported_architectures
 
 __all__ = [
     "ArchConfig",
     "AttentionMetadata",
     "LlamaForCausalLM",
-    "kv_cache_shape",
     "resolve_architecture",
     "supported_architectures",
 ]

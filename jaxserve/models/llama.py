@@ -4,8 +4,9 @@ Layers are stacked and run under `nn.scan`: one compiled layer body instead of
 `num_hidden_layers` unrolled copies keeps CPU compile time low. The KV cache of
 all layers is one array carried through the scan and updated in place:
 
-    kv_cache [num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim]
-             (key of kv-head h at slot 2h, value at 2h + 1)
+    kv_cache [num_layers, num_pages, page_size, *token_shape]
+             (token_shape: the kernels' layout for the platform, kernels_pallas/kv_cache.py;
+              [2 * num_kv_heads, head_dim] on CPU and GPU, packed int32 rows on TPU)
 
 Inside layer `i` the cache is viewed as `[num_layers * num_pages, ...]` (a free
 reshape) and page ids / slots are offset by `i * num_pages`, so the attention
@@ -30,16 +31,21 @@ from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, ro
 from jaxserve.models.quantization import INT8_LAYERS, dense as make_dense, embed as make_embed
 
 
-KV_CACHE_SPEC = PartitionSpec(None, None, None, "model", None)  # kv slots over "model"
-# --kv-cache-dtype fp8*: the cache is uint8 holding fp8 bits, as in vLLM (an fp8 array costs
-# XLA's CPU scatter a whole-cache conversion: 2.8 s a decode step measured). The kernels scale
-# by k_scale = v_scale = 1.0, vLLM's default without calibrated scales.
+# A token's heads (the first axis of its entries in every layout) over "model".
+KV_CACHE_SPEC = PartitionSpec(None, None, None, "model")
+# --kv-cache-dtype fp8*: on CPU/GPU the cache is uint8 holding fp8 bits, as in vLLM (an fp8
+# array costs XLA's CPU scatter a whole-cache conversion: 2.8 s a decode step measured). The
+# kernels scale by k_scale = v_scale = 1.0, vLLM's default without calibrated scales.
 FP8_KV_SCALE = 1.0
 
 
-def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: Any) -> Any:
-    """The cache array's element type for --kv-cache-dtype: the model's dtype ("auto") or uint8."""
-    return jnp.uint8 if kv_cache_dtype in kernels_pallas.FP8_KV_CACHE_DTYPES else dtype
+def kv_cache_layout(cfg: ArchConfig, dtype: Any, attention_backend: str,
+                    kv_cache_dtype: str = "auto", tp: int = 1) -> kernels_pallas.KVCacheLayout:
+    """One device's cache layout: its `num_kv_heads / tp` heads, in the values' type (the
+    model's dtype for --kv-cache-dtype auto), as the attention backend's kernels take it."""
+    return kernels_pallas.kv_cache_layout(cfg.num_key_value_heads // tp, cfg.head_dim,
+                                          kv_values_dtype(kv_cache_dtype, dtype),
+                                          backend=attention_backend)
 
 
 def attention_options(cfg: ArchConfig) -> dict[str, Any]:
@@ -51,7 +57,7 @@ def paged_attention(
     q: jax.Array,  # [T, q_heads, D]
     k: jax.Array,  # [T, kv_heads, D]
     v: jax.Array,
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2 * kv_heads, D]
+    kv_cache: jax.Array,  # [L, num_pages, page_size, *layout.token_shape] (this device's heads)
     layer_idx: jax.Array,
     md: AttentionMetadata,
     *,
@@ -59,20 +65,22 @@ def paged_attention(
     backend: str,
     interpret: bool,
     options: dict[str, Any] | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str,
 ) -> tuple[jax.Array, jax.Array]:
     """Write this layer's K/V into the stacked cache, then attend over it.
 
     The cache is viewed as `[L * num_pages, ...]` (a free reshape) with page ids
     and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
-    paged cache and no layer is copied out of the stack.
+    paged cache and no layer is copied out of the stack. `kv_cache_dtype` names the
+    values the cache holds ("float32", "bfloat16", "fp8", ...).
     """
     options = options or {}
     num_layers, num_pages, page_size = kv_cache.shape[:3]
     flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
-    kv: dict[str, Any] = {}
-    if kv_cache_dtype in kernels_pallas.FP8_KV_CACHE_DTYPES:
-        kv = dict(kv_cache_dtype=kv_cache_dtype, k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
+    layout = kernels_pallas.kv_cache_layout(k.shape[1], k.shape[2], kv_cache_dtype, backend=backend)
+    kv: dict[str, Any] = dict(layout=layout)
+    if layout.is_fp8:
+        kv.update(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
     page_offset = layer_idx * num_pages
     with jax.named_scope("kv_cache_update"):
         flat = kernels_pallas.update_kv_cache(
@@ -127,7 +135,7 @@ class Attention(nn.Module):
         attend = functools.partial(
             paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
             interpret=self.attention_interpret, options=attention_options(cfg),
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=kv_values_dtype(self.kv_cache_dtype, self.dtype),
         )
         if self.mesh is not None:
             # Each device attends with its own heads over its own slice of the cache:
@@ -186,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
     quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
-    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": a uint8 cache of fp8 bits
+    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -211,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: jax.Array,  # int32[T]
         positions: jax.Array,  # int32[T]
-        kv_cache: jax.Array,  # [L, num_pages, page_size, 2 * kv_heads, head_dim]
+        kv_cache: jax.Array,  # LlamaForCausalLM.kv_cache(num_pages, page_size)
         md: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         h, kv_cache = self.run_layers(self.embed(input_ids), positions, kv_cache, md)
@@ -247,5 +255,16 @@ class LlamaForCausalLM(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def kv_cache_shape(cfg: ArchConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    return (cfg.num_hidden_layers, num_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim)
+    def kv_cache(self, num_pages: int, page_size: int) -> jax.ShapeDtypeStruct:
+        """The whole (every device's heads) stacked cache this model runs with."""
+        tp = 1 if self.mesh is None else self.mesh.shape["model"]
+        layout = kv_cache_layout(self.cfg, self.dtype, self.attention_backend,
+                                 self.kv_cache_dtype, tp)
+        token = layout.token_shape
+        shape = (self.cfg.num_hidden_layers, num_pages, page_size, tp * token[0], *token[1:])
+        return jax.ShapeDtypeStruct(shape, layout.storage_dtype)
+
+
+def kv_values_dtype(kv_cache_dtype: str, dtype: Any) -> str:
+    """--kv-cache-dtype -> the name of the values the cache holds ("auto": the model's dtype)."""
+    return kv_cache_dtype if kv_cache_dtype != "auto" else jnp.dtype(dtype).name

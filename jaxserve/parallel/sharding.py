@@ -4,7 +4,8 @@
     vocab          model       embedding rows / LM-head columns (vocab-parallel)
     heads          model       q/k/v output columns, o_proj input rows (column / row parallel)
     mlp            model       gate/up output columns, down_proj input rows
-    kv_slots       model       the KV cache's interleaved k/v axis (whole heads per device)
+    kv_slots       model       a token's KV-cache entries by head: [2*kvh, D] rows, or the
+                               TPU's packed words (whole heads per device either way)
     layers, embed, head_dim    (replicated)
 
 Head counts that the tensor-parallel degree does not divide (SmolLM2-135M has 9
@@ -75,7 +76,8 @@ def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, 
 
 
 PARAM_AXES.update(_int8_axes(PARAM_AXES))
-KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")  # [L, pages, page, 2*kvh, D]
+# [L, pages, page, 2*kvh, D] (standard) or [L, pages, page, R*W] (packed; see kernels_pallas)
+KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")
 
 
 def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

@@ -44,6 +44,7 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
+from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_programs
 from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs
 from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import sampler_packing, sampling_inputs, verify_inputs
@@ -86,11 +87,14 @@ class ModelRunner:
         seed: int = 0,
         max_verify_rows: int = 0,
         record_sampled: bool = True,
+        abstract: bool = False,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
         `record_sampled`: keep sampled tokens in the input batch once a step's result is
-        read (steps whose tokens are all known then do not wait for the previous sampler)."""
+        read (steps whose tokens are all known then do not wait for the previous sampler).
+        `abstract`: allocate nothing; the device state is ShapeDtypeStructs, for compiling
+        `programs()` on devices this process may not have (preflight, KV-cache sizing)."""
         self.stages = stages
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
@@ -111,14 +115,15 @@ class ModelRunner:
         # Committed to the mesh from the start: warm-up and serving must see the same
         # argument shardings, or the first real step would compile again.
         # (From NumPy: across hosts, device_put takes host data, not another device's array.)
-        self.last_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
+        place = (lambda x, s: abstract_tree(x, s)) if abstract else jax.device_put
+        self.last_sampled = place(np.zeros((S,), np.int32), replicated)
         # Stage 0's input when every token of a step is known on the host: not the previous
         # step's last_sampled, so it need not wait for that step's sampler.
-        self._no_sampled = jax.device_put(np.zeros((S,), np.int32), replicated)
+        self._no_sampled = place(np.zeros((S,), np.int32), replicated)
         # Tests and tools: called as (step, stage index, stage output) after each dispatch.
         self.stage_observer: Callable[[int, int, Any], None] | None = None
         self._num_steps = 0
-        self.penalties = jax.device_put(PenaltyState.zeros(S, V), replicated)
+        self.penalties = place(PenaltyState.zeros(S, V), replicated)
         self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
@@ -366,9 +371,25 @@ class ModelRunner:
 
     # ---- warm-up -----------------------------------------------------------------------
 
+    def sampler_keys(self) -> list[tuple[int, bool]]:
+        """(rows bucket, verify) of every sampler program: request buckets, then the
+        verification sampler's row buckets when speculative decoding is on."""
+        return ([(R, False) for R in self.request_buckets]
+                + [(R, True) for R in self.verify_buckets])
+
+    def state_bytes(self) -> Any:
+        """The runner's own device state besides weights and cache (for KV-cache sizing)."""
+        return (self.last_sampled, self._no_sampled, self.penalties)
+
+    def programs(self, on_first_use: bool = True) -> list[Program]:
+        """Every program the engine runs, with abstract arguments on this runner's meshes:
+        what `warm_up` compiles, then (`on_first_use`) the variants compiled when a request
+        first needs them (prompt logprobs, a grammar bitmask). See worker/programs.py."""
+        return runner_programs(self, on_first_use)
+
     def warm_up(self) -> float:
         """Compile every token bucket and every (request bucket, sampler mode), so nothing
-        compiles while serving.
+        compiles while serving (the programs `programs(on_first_use=False)` lists).
 
         Runs each program once on empty inputs (no sequences: attention loops zero
         times, writes land in the null page, samples land on dropped slots).
@@ -376,7 +397,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         modes = list(SamplerMode)
-        samplers = [(R, False) for R in self.request_buckets] + [(R, True) for R in self.verify_buckets]
+        samplers = self.sampler_keys()
         total = len(self.token_buckets) + len(samplers) * len(modes) + 1
         empty = np.zeros(0, np.int32)
         # disable=None: a bar on a terminal, nothing in a log file (one line per update there).

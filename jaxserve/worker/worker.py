@@ -2,11 +2,13 @@
 
 Start-up, in order:  load weights -> size the KV cache (num_blocks) ->
 allocate it -> compile every bucket. `num_blocks` goes to the engine core as
-an input; no config is mutated.
+an input; no config is mutated. On a GPU/TPU the size comes from the device compiler's
+memory analysis of the largest programs (worker/kv_sizing.py); on the CPU from a byte budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,8 +23,8 @@ from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
-from jaxserve.models import ArchConfig, kv_cache_shape
-from jaxserve.models.llama import kv_cache_storage_dtype
+from jaxserve.models import ArchConfig
+from jaxserve.models.llama import kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
@@ -32,7 +34,10 @@ from jaxserve.parallel.pipeline import build_stages
 from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
+from jaxserve.parallel.pipeline import Stage
+from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, plan_kv_cache
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
 from jaxserve.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ def resolve_dtype(dtype: str, platform: str) -> Any:
 # jax.Device.platform -> the platform names kernel variants declare (jax.export's).
 _EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 # The platform's own attention kernel, picked by attention_backend="auto".
-AUTO_ATTENTION_BACKEND = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu"}
+AUTO_ATTENTION_BACKEND = kernels_pallas.PLATFORM_BACKENDS
 
 
 def resolve_attention_backend(name: str, platform: str, interpret: bool) -> str:
@@ -115,11 +120,12 @@ class Worker:
         self.mesh = make_mesh(config.parallel_config)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
-        self.kv_dtype = kv_cache_storage_dtype(config.cache_config.cache_dtype, self.dtype)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
+        self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
+        self.sizing_programs: list[CompiledProgram] = []
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -154,20 +160,33 @@ class Worker:
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
         return load_checkpoint(files, self.dtype, self.config.model_config.quantization if read_as_int8 else None)
 
+    @property
+    def kv_layout(self) -> kernels_pallas.KVCacheLayout:
+        """One device's cache layout (kernels_pallas/kv_cache.py)."""
+        return kv_cache_layout(self.run_arch, self.dtype, self.attention_backend,
+                               self.config.cache_config.cache_dtype,
+                               self.config.parallel_config.tensor_parallel_size)
+
     def page_bytes(self) -> int:
         """Bytes of one KV page on the busiest device: its stage's layers, its share of heads."""
-        layers = max(b - a for a, b in (st.layers for st in self.stages))
-        per_layer = self.run_arch.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize) // self.run_arch.num_hidden_layers
-        tokens = self.config.cache_config.block_size
-        return per_layer * layers * tokens // self.config.parallel_config.tensor_parallel_size
+        return max(per_device_bytes(self._cache_struct(st, 1)) for st in self.stages)
+
+    def _cache_struct(self, st: Stage, num_blocks: int) -> jax.ShapeDtypeStruct:
+        spec = st.model.kv_cache(num_blocks, self.config.cache_config.block_size)
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                    sharding=kv_cache_sharding(st.mesh, spec.shape))
 
     def determine_num_blocks(self) -> int:
         """How many KV pages fit the memory budget (page 0 included, as the null page)."""
         cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is None and self.platform != "cpu":
+            self.memory_plan = self.plan_memory()
+            logger.info("kv_cache_manager: %s", self.memory_plan.summary())
+            return self.memory_plan.num_pages
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
-            num_blocks = self._available_kv_bytes() // self.page_bytes()
+            num_blocks = (cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // self.page_bytes()
         bs = cc.block_size
         need = -(-self.max_model_len // bs) + 1
         if num_blocks < need:
@@ -179,32 +198,44 @@ class Worker:
             )
         return int(num_blocks)
 
-    def _available_kv_bytes(self) -> int:
+    def plan_memory(self, memory_bytes: int | None = None, device: str | None = None,
+                    compiler_options: dict[str, Any] | None = None) -> MemoryPlan:
+        """Size the cache from the device compiler: weights + the largest program's
+        activations + the cache fill `gpu_memory_utilization` of the device. Refuses (an
+        InsufficientMemoryError naming the figures and knobs) before compiling anything when
+        the weights alone do not fit. `memory_bytes`/`device` default to the first device's."""
+        dev = self.mesh.devices.flat[0]
+        if memory_bytes is None:
+            memory_bytes = int(dev.memory_stats()["bytes_limit"])
+        device = device or dev.device_kind
         cc = self.config.cache_config
-        if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes
-        stats = self.mesh.devices.flat[0].memory_stats() if self.platform != "cpu" else None
-        if not stats:
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        # Weights are resident already; keep a margin for the largest step's activations
-        # (hidden states and logits of the largest buckets, a few times over).
-        sc = self.config.scheduler_config
-        itemsize = jnp.dtype(self.dtype).itemsize
-        activations = 8 * sc.max_num_batched_tokens * (
-            self.arch.hidden_size + self.arch.intermediate_size + self.arch.q_size
-        ) * itemsize + 4 * max(sc.max_num_seqs, _max_verify_rows(self.config)) * self.arch.vocab_size * 4
-        budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization)
-        return max(budget - int(stats["bytes_in_use"]) - activations, 0)
+        weights = max(per_device_bytes(st.params) for st in self.stages)
+        probe = self.make_runner(self._min_num_blocks(), abstract=True)
+        state = per_device_bytes(probe.state_bytes())
+        check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state)
+        self.sizing_programs = [compile_program(p, compiler_options)[0]
+                                for p in sizing_programs(probe.programs())]
+        activations = max(c.activation_bytes for c in self.sizing_programs)
+        return plan_kv_cache(
+            device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
+            weight_bytes=weights, state_bytes=state, activation_bytes=activations,
+            page_bytes=self.page_bytes(), page_size=cc.block_size,
+            max_model_len=self.max_model_len, kv_cache_memory_bytes=cc.kv_cache_memory_bytes)
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def _min_num_blocks(self) -> int:
+        """A cache of one max_model_len sequence (and the null page): what sizing compiles with."""
+        return -(-self.max_model_len // self.config.cache_config.block_size) + 1
+
+    def make_runner(self, num_blocks: int, abstract: bool = False) -> ModelRunner:
+        """The ModelRunner over this worker's stages with a `num_blocks` cache: allocated, or
+        (`abstract`) ShapeDtypeStructs for compiling on devices the process may not drive."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        for st in self.stages:
-            shape = kv_cache_shape(st.model.cfg, num_blocks, cc.block_size)
-            sharding = kv_cache_sharding(st.mesh, shape)
-            st.kv_cache = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=sharding)()
-        self.num_blocks = num_blocks
-        self.runner = ModelRunner(
-            self.stages,
+        stages = self.stages
+        if abstract:
+            stages = [dataclasses.replace(st, kv_cache=self._cache_struct(st, num_blocks))
+                      for st in self.stages]
+        return ModelRunner(
+            stages,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -216,7 +247,16 @@ class Worker:
             # previous one's tokens are back, and when a multi-host follower (which waits for
             # each step at once) would know them, its inputs would differ from process 0's.
             record_sampled=not (sc.async_scheduling and self.config.num_microbatches == 1),
+            abstract=abstract,
         )
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        for st in self.stages:
+            spec = self._cache_struct(st, num_blocks)
+            st.kv_cache = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
+                                  out_shardings=spec.sharding)()
+        self.num_blocks = num_blocks
+        self.runner = self.make_runner(num_blocks)
 
     def compile_or_warm_up(self) -> None:
         if self.config.enforce_eager:

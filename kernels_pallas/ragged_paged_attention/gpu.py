@@ -214,21 +214,19 @@ def ragged_paged_attention(
     return jnp.where(real[:, None, None], out, jnp.zeros_like(out))
 
 
-def _kv_write_kernel(slot_ref, k_ref, v_ref, kv_in_ref, kv_ref, *, num_kv_heads: int):
-    """Program t writes token t's keys and values into its slot (one row of the flat cache)."""
+def _kv_write_kernel(slot_ref, rows_ref, kv_in_ref, kv_ref, *, num_slots: int):
+    """Program t writes token t's rows (k0 v0 k1 v1 ...) into its slot of the flat cache."""
     del kv_in_ref  # the same buffer as kv_ref (aliased)
     t = pl.program_id(0)
     slot = slot_ref[t]
-    for h in range(num_kv_heads):  # static and small; each store is one contiguous row
-        kv_ref[slot, 2 * h, :] = k_ref[t, h, :].astype(kv_ref.dtype)
-        kv_ref[slot, 2 * h + 1, :] = v_ref[t, h, :].astype(kv_ref.dtype)
+    for i in range(num_slots):  # static and small; each store is one contiguous row
+        kv_ref[slot, i, :] = rows_ref[t, i, :]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def update_kv_cache(
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    rows: jax.Array,  # [num_tokens, 2 * num_kv_heads, head_dim] in the cache's dtype
     slot_mapping: jax.Array,  # int32[num_tokens]
     *,
     interpret: bool = False,
@@ -236,17 +234,17 @@ def update_kv_cache(
     """KV write as a Pallas kernel aliasing the cache (input_output_aliases): in place when the
     caller donates `kv_pages`. Padding tokens racing on null-page slots are harmless."""
     num_pages, page_size, num_kv_slots, head_dim = kv_pages.shape
-    num_tokens = k.shape[0]
+    num_tokens = rows.shape[0]
     flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)
     out = pl.pallas_call(
-        functools.partial(_kv_write_kernel, num_kv_heads=num_kv_slots // 2),
+        functools.partial(_kv_write_kernel, num_slots=num_kv_slots),
         grid=(num_tokens,),
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="update_kv_cache_gpu",
-    )(slot_mapping.astype(jnp.int32), k, v, flat)
+    )(slot_mapping.astype(jnp.int32), rows.astype(flat.dtype), flat)
     return out.reshape(kv_pages.shape)
 
 

@@ -1,4 +1,10 @@
-"""Ragged paged attention for TPUs: a Pallas kernel with Mosaic lowering.
+"""Ragged paged attention for TPUs: a Pallas kernel with Mosaic lowering, over the packed cache.
+
+The cache is the packed layout of `kernels_pallas/kv_cache.py`: each token's heads as rows of
+W int32 lanes, [k | v] of a head in one row, p heads of b-bit values per word. Every load the
+kernel does is 32-bit and lane-aligned, so it compiles for float32, bfloat16 and fp8 caches on
+every TPU generation (Mosaic has no strided load of sub-32-bit data), and the values are
+unpacked with 32-bit integer arithmetic (no 16- or 8-bit vector ops, which v5e lacks).
 
 Grid: one program per aligned block of `block_q` query tokens ("q block"). A q block may hold
 the tail of one sequence, whole decode sequences and the head of another; the program walks
@@ -11,18 +17,20 @@ HBM with manual DMAs into a double buffer while the previous block is computed::
                  fetch of pair n+1 overlaps the compute of pair n
 
 Scalars (page table, kv_lens, cu_q_lens, num_seqs, each q block's first sequence) are scalar-
-prefetched into SMEM. Layouts chosen so that no ref is ever reshaped (that breaks the TPU
-interpreter in jax 0.10.2, which is why the upstream kernel cannot be interpreted):
+prefetched into SMEM. No ref is ever reshaped or bitcast (the TPU interpreter of jax 0.10.2
+supports neither, and interpret mode is how the CPU checks this kernel):
 
-    kv_hbm  [num_pages, page_size * 2 * kvh, D]   the cache viewed in XLA (a bitcast):
-                                                   row = slot * 2 * kvh + 2h (+1 for v)
-    kv_buf  [2, pages_per_block * page_size * 2 * kvh, D]  VMEM double buffer, page i at rows
-                                                   i*page_size*2kvh...; key of head h is the
-                                                   strided row set 2h, 2h + 2kvh, ...
-    q, out  [kvh, num_q_blocks * block_q * group, D]   q re-laid out in XLA so that head h's
-                                                   block is a 2-D [block_q * group, D] tile
+    kv_hbm  [num_pages, page_size, R * W] int32   the cache as stored
+    kv_buf  [2, pages_per_block * page_size, R * W]  VMEM double buffer of whole pages
+    q, out  [kvh, num_q_blocks * block_q * group, Wq]  q re-laid out in XLA so that head h's
+                                                   block is a 2-D [block_q * group, Wq] tile
                                                    (rows t0g0 t0g1 .. t1g0 ..): GQA shares
                                                    one K/V load across the whole group.
+
+Head dims that are a multiple of 128: k and v are the row's two lane-aligned halves (Wq = D).
+Otherwise (e.g. 64): q is zero-padded to the row's W lanes, so q . row = q . k, and p @ row
+holds p @ v in lanes D..2D, which XLA slices out after the kernel (the MXU does twice the
+work of an exact fit; the cache holds no padding for D = 64).
 
 Each row belongs to exactly one sequence, so the float32 running max / sum / accumulator live
 in VMEM scratch for the whole q block and each (seq, kv block) step updates only its rows.
@@ -38,8 +46,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.kv_cache import KVCacheLayout
 from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
 from kernels_pallas.registry import register_backend
+
+# (exponent bits, mantissa bits, bias) of the sub-32-bit value types, decoded in int32.
+_FLOAT_FORMATS = {"float16": (5, 10, 15), "fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}
 
 
 def _div(a, b: int):
@@ -52,6 +64,30 @@ def _cdiv(a, b: int):
     return _div(a + (b - 1), b)
 
 
+def _as_f32(bits):
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def decode_values(words: jax.Array, index: int, layout: KVCacheLayout) -> jax.Array:
+    """Value `index` of each int32 word (bits index*b..) as float32, with 32-bit ops only."""
+    b = layout.bits
+    if b == 32:
+        return _as_f32(words)
+    if layout.dtype == "bfloat16":  # a bf16 is the top half of the float32 it rounds from
+        return _as_f32(words << 16) if index == 0 else _as_f32(words & jnp.int32(-65536))
+    ebits, mbits, bias = _FLOAT_FORMATS[layout.dtype]
+    x = (words >> (index * b)) & ((1 << b) - 1)
+    e = (x >> mbits) & ((1 << ebits) - 1)
+    m = x & ((1 << mbits) - 1)
+    normal = e > 0
+    # value = (2^mbits * [normal] + m) * 2^(max(e, 1) - bias - mbits); the power of two is
+    # built as float32 bits (its exponent stays in range for every format here).
+    mag = (m + jnp.where(normal, 1 << mbits, 0)).astype(jnp.float32)
+    scale = _as_f32((jnp.maximum(e, 1) + (127 - bias - mbits)) << 23)
+    val = mag * scale
+    return jnp.where((x >> (b - 1)) != 0, -val, val)  # NaN/inf codes: garbage, masked anyway
+
+
 def _kernel(
     # scalar prefetch (SMEM)
     kv_lens_ref,  # int32[max_num_seqs]
@@ -60,20 +96,21 @@ def _kernel(
     num_seqs_ref,  # int32[1]
     first_seq_ref,  # int32[num_q_blocks]: first sequence with tokens in each q block
     # inputs
-    q_ref,  # VMEM [kvh, rows, D], rows = block_q * group
-    kv_hbm,  # HBM  [num_pages, page_size * 2 * kvh, D]
+    q_ref,  # VMEM [kvh, rows, Wq], rows = block_q * group
+    kv_hbm,  # HBM  [num_pages, page_size, R * W] int32
     # output
-    o_ref,  # VMEM [kvh, rows, D]
+    o_ref,  # VMEM [kvh, rows, Wq]
     # scratch
-    kv_buf,  # VMEM [2, pages_per_block * page_size * 2 * kvh, D]
+    kv_buf,  # VMEM [2, pages_per_block * page_size, R * W] int32
     sems,  # DMA semaphores [2], one per buffer
-    m_ref, l_ref, acc_ref,  # VMEM f32 [kvh, rows, D] (m, l replicated along D: no [rows, 1])
-    *, sm_scale: float, block_q: int, group: int, page_size: int, pages_per_block: int,
-    pages_per_seq: int, sliding_window: int | None, soft_cap: float | None,
-    mask_value: float, k_scale: float | None, v_scale: float | None,
+    m_ref, l_ref, acc_ref,  # VMEM f32 [kvh, rows, Wq] (m, l replicated along lanes)
+    *, layout: KVCacheLayout, sm_scale: float, block_q: int, group: int, page_size: int,
+    pages_per_block: int, pages_per_seq: int, sliding_window: int | None,
+    soft_cap: float | None, mask_value: float, v_scale: float | None,
 ):
-    num_kv_heads, rows, head_dim = q_ref.shape
-    page_rows = page_size * 2 * num_kv_heads
+    num_kv_heads, rows, q_lanes = q_ref.shape
+    head_dim, W = layout.head_dim, layout.row_lanes
+    split = q_lanes == head_dim  # k and v are the row's halves
     block_k = pages_per_block * page_size
     blk_start = pl.program_id(0) * block_q
     blk_end = blk_start + block_q
@@ -110,12 +147,31 @@ def _kernel(
             page = page_indices_ref[seq * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
             page = jnp.where(p < used, page, 0)
             copies.append(pltpu.make_async_copy(
-                kv_hbm.at[page], kv_buf.at[buf, pl.ds(i * page_rows, page_rows)], sems.at[buf]))
+                kv_hbm.at[page], kv_buf.at[buf, pl.ds(i * page_size, page_size)], sems.at[buf]))
         return copies
 
     m_ref[...] = jnp.full(m_ref.shape, mask_value, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def attend_head(h, kv, visible, mine):
+        """Fold one kv head's block (kv: float32 [block_k, W], zero outside the context)."""
+        kv = kv.astype(q_ref.dtype)
+        k, v = (kv[:, :head_dim], kv[:, head_dim:2 * head_dim]) if split else (kv, kv)
+        s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible, s, mask_value)
+        m_prev, l_prev, acc_prev = m_ref[h], l_ref[h], acc_ref[h]
+        m_cur = s.max(axis=1, keepdims=True)  # [rows, 1]
+        p = jnp.exp(s - m_cur)
+        m_next = jnp.maximum(m_prev, m_cur)  # [rows, Wq]
+        alpha, beta = jnp.exp(m_prev - m_next), jnp.exp(m_cur - m_next)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        m_ref[h] = jnp.where(mine, m_next, m_prev)
+        l_ref[h] = jnp.where(mine, alpha * l_prev + beta * p.sum(axis=1, keepdims=True), l_prev)
+        acc_ref[h] = jnp.where(mine, alpha * acc_prev + beta * pv, acc_prev)
 
     def attend(seq, kv_blk, buf):
         q_start, q_end, kv_len = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1], kv_lens_ref[seq]
@@ -125,33 +181,17 @@ def _kernel(
         visible = (t >= q_start) & (t < q_end) & (kpos <= pos)
         if sliding_window is not None:
             visible &= kpos > pos - sliding_window
-        t_row = blk_start + _div(lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0), group)
-        mine = (t_row >= q_start) & (t_row < q_end)  # [rows, D]: rows of this sequence
-        in_ctx = kv_blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0) < kv_len
-        for h in range(num_kv_heads):  # static: every head of the group shares this fetch
-            k = kv_buf[buf, pl.ds(2 * h, block_k, stride=2 * num_kv_heads), :]  # [block_k, D]
-            v = kv_buf[buf, pl.ds(2 * h + 1, block_k, stride=2 * num_kv_heads), :]
-            if k_scale is not None:
-                k = (k.astype(jnp.float32) * k_scale).astype(q_ref.dtype)
-            if v_scale is not None:
-                v = (v.astype(jnp.float32) * v_scale).astype(q_ref.dtype)
-            # Slots past kv_len may be NaN: zero them (a masked score times NaN is NaN).
-            k = jnp.where(in_ctx, k, jnp.zeros_like(k))
-            v = jnp.where(in_ctx, v, jnp.zeros_like(v))
-            s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * sm_scale
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(visible, s, mask_value)
-            m_prev, l_prev, acc_prev = m_ref[h], l_ref[h], acc_ref[h]
-            m_cur = s.max(axis=1, keepdims=True)  # [rows, 1]
-            p = jnp.exp(s - m_cur)
-            m_next = jnp.maximum(m_prev, m_cur)  # [rows, D]
-            alpha, beta = jnp.exp(m_prev - m_next), jnp.exp(m_cur - m_next)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            m_ref[h] = jnp.where(mine, m_next, m_prev)
-            l_ref[h] = jnp.where(mine, alpha * l_prev + beta * p.sum(axis=1, keepdims=True), l_prev)
-            acc_ref[h] = jnp.where(mine, alpha * acc_prev + beta * pv, acc_prev)
+        t_row = blk_start + _div(lax.broadcasted_iota(jnp.int32, (rows, q_lanes), 0), group)
+        mine = (t_row >= q_start) & (t_row < q_end)  # [rows, Wq]: rows of this sequence
+        in_ctx = kv_blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k, W), 0) < kv_len
+        for r in range(layout.num_rows):  # static: one 32-bit load serves p heads
+            words = kv_buf[buf, :, pl.ds(r * W, W)]  # [block_k, W] int32, lane-aligned
+            for i in range(layout.packing):
+                h = r * layout.packing + i
+                if h < num_kv_heads:
+                    # Slots past kv_len may hold NaN: zero them (a masked score times NaN is NaN).
+                    kv = jnp.where(in_ctx, decode_values(words, i, layout), 0.0)
+                    attend_head(h, kv, visible, mine)
 
     def body(carry):
         seq, kv_blk, buf = carry
@@ -177,20 +217,30 @@ def _kernel(
         lax.while_loop(lambda c: in_block(c[0]), body, (seq0, blk0, jnp.int32(0)))
 
     l = l_ref[...]
-    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)
+    if v_scale is not None:
+        out = out * v_scale
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def default_tuning(num_q_heads: int, num_kv_heads: int, page_size: int) -> tuple[int, int]:
+    """(block_q, pages_per_block): a 128-row q tile (at least 16 tokens), 128 keys a step."""
+    group = num_q_heads // num_kv_heads
+    return max(16, 128 // group // 16 * 16), max(1, 128 // page_size)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale", "block_q",
-    "pages_per_block", "vmem_limit_bytes", "interpret"))
+    "layout", "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
+    "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, page_size, R * W] int32 (layout.packed)
     kv_lens: jax.Array,  # int32[max_num_seqs]
     page_indices: jax.Array,  # int32[max_num_seqs, pages_per_seq]
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
+    layout: KVCacheLayout,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -202,19 +252,23 @@ def ragged_paged_attention(
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Same contract as the reference. Tuning: `block_q` tokens per program (default: a
-    128-row tile, at least 16 tokens), `pages_per_block` pages per DMA step (default 128 keys).
+    """Same contract as the reference, over a packed cache. Tuning: `block_q` tokens per
+    program, `pages_per_block` pages per DMA step (defaults: `default_tuning`).
     `interpret=True` runs the TPU interpreter (DMAs and semaphores simulated) on the CPU."""
+    layout.check(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_slots, _ = kv_pages.shape
-    num_kv_heads = num_kv_slots // 2
+    page_size = kv_pages.shape[1]
+    num_kv_heads = layout.num_kv_heads
+    if head_dim != layout.head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit {layout}")
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
-    block_q = block_q or max(16, 128 // group // 16 * 16)
-    pages_per_block = pages_per_block or max(1, 128 // page_size)
+    default_bq, default_ppb = default_tuning(num_q_heads, num_kv_heads, page_size)
+    block_q, pages_per_block = block_q or default_bq, pages_per_block or default_ppb
     num_q_blocks = pl.cdiv(num_tokens, block_q)
     padded = num_q_blocks * block_q
     rows = block_q * group
+    q_lanes = head_dim if head_dim % 128 == 0 else layout.row_lanes
 
     # Scalars. cu_q_lens past num_seqs is unspecified: make it flat so it stays sorted.
     n = num_seqs[0]
@@ -224,20 +278,18 @@ def ragged_paged_attention(
     scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32), cu,
                num_seqs.astype(jnp.int32), first_seq)
 
-    # [T, H, D] -> [kvh, padded * group, D] (copies q, never K/V); the cache view is a bitcast.
-    qg = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    qg = qg.reshape(padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qg = qg.reshape(num_kv_heads, padded * group, head_dim)
-    kv_hbm = kv_pages.reshape(num_pages, page_size * num_kv_slots, head_dim)
+    # [T, H, D] -> [kvh, padded * group, Wq] (copies q, never K/V).
+    qg = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, q_lanes - head_dim)))
+    qg = qg.reshape(padded, num_kv_heads, group, q_lanes).transpose(1, 0, 2, 3)
+    qg = qg.reshape(num_kv_heads, padded * group, q_lanes)
 
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, block_q=block_q, group=group, page_size=page_size,
-        pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
-        k_scale=k_scale, v_scale=v_scale)
-    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
-    stats = pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32)
+        _kernel, layout=layout, sm_scale=sm_scale * (k_scale or 1.0), block_q=block_q,
+        group=group, page_size=page_size, pages_per_block=pages_per_block,
+        pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
+        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value, v_scale=v_scale)
+    q_spec = pl.BlockSpec((num_kv_heads, rows, q_lanes), lambda i, *_: (0, i, 0))
+    stats = pltpu.VMEM((num_kv_heads, rows, q_lanes), jnp.float32)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -246,8 +298,7 @@ def ragged_paged_attention(
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, pages_per_block * page_size * num_kv_slots, head_dim),
-                           kv_pages.dtype),
+                pltpu.VMEM((2, pages_per_block * page_size, kv_pages.shape[2]), jnp.int32),
                 pltpu.SemaphoreType.DMA((2,)),
                 stats, stats, stats,
             ],
@@ -258,73 +309,22 @@ def ragged_paged_attention(
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(*scalars, qg, kv_hbm)
+    )(*scalars, qg, kv_pages)
 
-    out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
+    out = out.reshape(num_kv_heads, padded, group, q_lanes).transpose(1, 0, 2, 3)
+    if q_lanes != head_dim:  # p @ [k | v]: the values' half
+        out = out[..., head_dim:2 * head_dim]
     out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     real = jnp.arange(num_tokens) < cu[n]
     return jnp.where(real[:, None, None], out, jnp.zeros_like(out))
 
 
-def _kv_write_kernel(slots_ref, new_ref, kv_in_hbm, kv_hbm, sem, *, block_t: int):
-    """Program i DMAs its block's token rows ([2 * kvh, D] each) straight into their HBM slots."""
-    del kv_in_hbm  # the same buffer as kv_hbm (aliased)
-    base = pl.program_id(0) * block_t
-    copies = [pltpu.make_async_copy(new_ref.at[t], kv_hbm.at[slots_ref[base + t]], sem)
-              for t in range(block_t)]
-    for c in copies:
-        c.start()
-    for c in copies:
-        c.wait()
-
-
-@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
-def update_kv_cache(
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
-    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: jax.Array,  # int32[num_tokens]
-    *,
-    block_t: int = 16,
-    interpret: bool = False,
-) -> jax.Array:
-    """KV write: slots scalar-prefetched, new rows DMA'd into the aliased cache in HBM (in place
-    when donated). Padding tokens share null-page slots; those racing DMAs are harmless."""
-    from kernels_pallas.kv_cache import interleave_kv
-
-    num_pages, page_size, num_kv_slots, head_dim = kv_pages.shape
-    num_tokens = k.shape[0]
-    padded = pl.cdiv(num_tokens, block_t) * block_t
-    new = jnp.pad(interleave_kv(k, v).astype(kv_pages.dtype),
-                  ((0, padded - num_tokens), (0, 0), (0, 0)))
-    # Extra tokens from rounding up write into slot 0 of the null page.
-    slots = jnp.pad(slot_mapping.astype(jnp.int32), (0, padded - num_tokens))
-    flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)
-    out = pl.pallas_call(
-        functools.partial(_kv_write_kernel, block_t=block_t),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(padded // block_t,),
-            in_specs=[pl.BlockSpec((block_t, num_kv_slots, head_dim), lambda i, *_: (i, 0, 0)),
-                      pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
-        ),
-        out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        input_output_aliases={2: 0},  # operand index counts the scalar-prefetch argument
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=pltpu.InterpretParams() if interpret else False,
-        name="update_kv_cache_tpu",
-    )(slots, new, flat)
-    return out.reshape(kv_pages.shape)
-
-
 register_backend(
     "tpu",
     ragged_paged_attention,
-    update_kv_cache=update_kv_cache,
     platforms=("tpu",),
-    description="Pallas/Mosaic: q-block grid, scalar-prefetched page table, double-buffered "
-                "page DMAs, GQA group as one tile",
+    packed_layout=True,
+    description="Pallas/Mosaic over the packed int32 cache: q-block grid, scalar-prefetched "
+                "page table, double-buffered page DMAs, GQA group as one tile",
     test_tuning=({}, {"block_q": 8, "pages_per_block": 1}),
 )

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models import AttentionMetadata, LlamaForCausalLM, kv_cache_shape
-from jaxserve.models.llama import kv_cache_storage_dtype
+from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.quantization import model_variables
 
 
@@ -15,8 +14,8 @@ def prompt_logits(model: LlamaForCausalLM, params, token_ids: list[int], page_si
     """float32 logits [len(token_ids), vocab] of every position of one prompt."""
     T = len(token_ids)
     num_pages = (T + page_size - 1) // page_size + 1  # + the null page 0
-    dtype = kv_cache_storage_dtype(model.kv_cache_dtype, model.dtype)
-    cache = jnp.zeros(kv_cache_shape(model.cfg, num_pages, page_size), dtype)
+    spec = model.kv_cache(num_pages, page_size)
+    cache = jnp.zeros(spec.shape, spec.dtype)
     pages = np.arange(1, num_pages, dtype=np.int32)
     slots = pages[np.arange(T) // page_size] * page_size + np.arange(T) % page_size
     md = AttentionMetadata(

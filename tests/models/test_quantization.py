@@ -107,10 +107,10 @@ def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
     assert model_variables(params) is params  # float: nothing moves
     # model.init declares the same split, and param_tree gives the loaders' layout.
     ids = jnp.zeros((4,), jnp.int32)
-    from jaxserve.models import AttentionMetadata, kv_cache_shape
+    from jaxserve.models import AttentionMetadata
     md = AttentionMetadata(ids, ids[:1], jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
     model = LlamaForCausalLM(arch, jnp.float32, quantization="int8")
-    init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(kv_cache_shape(arch, 3, 16)), md))
+    init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape), md))
     assert INT8_LAYERS in init
     shapes = lambda t: jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), t)  # noqa: E731
     # init has no LM head here (only __call__ ran), the loaders' tree has one.
@@ -157,7 +157,7 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
     # The kernel has no sharding rule: a tensor-parallel model (mesh set) keeps XLA's matmul.
     from jax.sharding import Mesh
 
-    from jaxserve.models import AttentionMetadata, kv_cache_shape
+    from jaxserve.models import AttentionMetadata
     from kernels_pallas.int8_matmul import cpu
 
     model_dir = save_tiny_hf("llama", str(tmp_path))
@@ -166,7 +166,7 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
     ids = jnp.zeros((4,), jnp.int32)
     md = AttentionMetadata(ids, jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32),
                            jnp.array([0, 4], jnp.int32), jnp.array([1], jnp.int32))
-    cache = jnp.zeros(kv_cache_shape(arch, 3, 16))
+    cache = jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
     for m, uses_kernel in ((None, True), (mesh, False)):
         model = LlamaForCausalLM(arch, jnp.float32, quantization="int8", mesh=m)

@@ -105,7 +105,7 @@ def test_fp8_kv_cache_and_int8_weights_in_the_engine(tiny_model: str) -> None:
         llm = LLM(tiny_model, kv_cache_dtype=kv, quantization=q, **ENGINE)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         w = llm.engine.worker
-        runs[kv] = ([o.outputs[0].token_ids for o in outs], w.num_blocks, w.kv_dtype)
+        runs[kv] = ([o.outputs[0].token_ids for o in outs], w.num_blocks, w.kv_layout.storage_dtype)
         # Decode steps (few tokens) take the CPU int8 kernel; start-up logs which path runs.
         assert w.int8_matmul == (None if q is None else "CPU kernel up to 32 tokens a step, XLA beyond")
         llm.shutdown()

@@ -1,0 +1,120 @@
+"""KV-cache sizing on a device: how many pages fit beside the weights and the activations.
+
+"Out of memory at start" is this box (kv_cache_manager's pages, sized by the worker). Per
+device (the busiest one: its stage's layers, its share of heads and weights)::
+
+    usable   = gpu_memory_utilization x device memory
+    cache    = usable - weights - runner state - activations
+    pages    = cache // bytes per page                    (page 0 is the null page)
+
+`activations` is not an estimate: it is the largest temp (plus non-aliased outputs) that the
+device compiler reports for the engine's biggest programs (worker/programs.py). The worker on
+a real device and `python -m jaxserve.preflight` for a device the user does not have both run
+`plan_kv_cache`, so the two agree on the same figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1 << 30
+
+
+class InsufficientMemoryError(ValueError):
+    """The configuration cannot fit the device: the message names the box, figures, knobs."""
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Bytes in GiB / MiB / KiB, whichever reads best."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+KNOBS = ("--tensor-parallel-size (weights and cache split over more devices), --quantization "
+         "int8 (int8 weights), a smaller --max-model-len, --max-num-batched-tokens / "
+         "--max-num-seqs (smaller activations) or a higher --gpu-memory-utilization")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """One device's memory, as the engine will use it (bytes are per device)."""
+
+    device: str  # e.g. "TPU v6 lite", "NVIDIA H100 80GB HBM3"
+    memory_bytes: int  # the device's memory
+    utilization: float  # --gpu-memory-utilization
+    weight_bytes: int
+    state_bytes: int  # the runner's sampler state (penalties, last tokens)
+    activation_bytes: int  # the largest program's temp + outputs
+    page_bytes: int  # one KV page (every layer of the stage, this device's heads)
+    page_size: int
+    max_model_len: int
+    num_pages: int  # including the null page 0
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * self.utilization)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once."""
+        return max(self.num_pages - 1, 0) // self.pages_per_seq
+
+    def summary(self) -> str:
+        return (f"{self.device}: {fmt_bytes(self.memory_bytes)} x {self.utilization:g} = "
+                f"{fmt_bytes(self.usable_bytes)} usable; weights {fmt_bytes(self.weight_bytes)}, "
+                f"activations {fmt_bytes(self.activation_bytes)}, sampler state "
+                f"{fmt_bytes(self.state_bytes)}, KV cache {fmt_bytes(self.cache_bytes)} = "
+                f"{self.num_pages} pages of {self.page_size} tokens "
+                f"({fmt_bytes(self.page_bytes // self.page_size)} per token): "
+                f"{self.max_concurrent_seqs} sequences of {self.max_model_len} tokens at once")
+
+
+def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight_bytes: int,
+                      state_bytes: int) -> None:
+    """Refuse, before anything compiles, a model whose weights alone do not fit."""
+    usable = int(memory_bytes * utilization)
+    if weight_bytes + state_bytes >= usable:
+        raise InsufficientMemoryError(
+            f"kv_cache_manager: no room for a KV cache on {device}: the weights take "
+            f"{fmt_bytes(weight_bytes)} per device (+ {fmt_bytes(state_bytes)} sampler state) "
+            f"of {fmt_bytes(usable)} usable ({utilization:g} x {fmt_bytes(memory_bytes)}). "
+            f"Try {KNOBS}.")
+
+
+def plan_kv_cache(
+    *, device: str, memory_bytes: int, utilization: float, weight_bytes: int, state_bytes: int,
+    activation_bytes: int, page_bytes: int, page_size: int, max_model_len: int,
+    kv_cache_memory_bytes: int | None = None,
+) -> MemoryPlan:
+    """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked), or
+    InsufficientMemoryError when not one max_model_len sequence fits."""
+    check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes)
+    room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
+    if kv_cache_memory_bytes is not None:
+        room = kv_cache_memory_bytes
+    plan = MemoryPlan(device, memory_bytes, utilization, weight_bytes, state_bytes,
+                      activation_bytes, page_bytes, page_size, max_model_len,
+                      max(room, 0) // page_bytes)
+    need = plan.pages_per_seq + 1
+    if plan.num_pages < need:
+        fits = max(plan.num_pages - 1, 0) * page_size
+        raise InsufficientMemoryError(
+            f"kv_cache_manager: the KV cache has room for {plan.num_pages} pages of {page_size} "
+            f"tokens on {device}, but one request of max_model_len={max_model_len} needs "
+            f"{need}: weights {fmt_bytes(weight_bytes)} + activations "
+            f"{fmt_bytes(activation_bytes)} + sampler state {fmt_bytes(state_bytes)} leave "
+            f"{fmt_bytes(max(room, 0))} of {fmt_bytes(plan.usable_bytes)} usable, and the cache "
+            f"takes {fmt_bytes(page_bytes // page_size)} per token "
+            f"({fmt_bytes(need * page_bytes)} for one sequence); the largest max_model_len that "
+            f"fits is {fits}. Try {KNOBS}.")
+    return plan

@@ -1,0 +1,201 @@
+"""The engine's compiled programs as data: what warm-up builds, what a device compiler checks.
+
+`ModelRunner.programs()` lists every program the engine runs (each forward token bucket and
+pipeline stage, the sampler in every mode and request bucket, the verification sampler, and the
+variants compiled on first use: prompt logprobs, grammar bitmasks) with abstract arguments
+(`jax.ShapeDtypeStruct`s carrying their shardings). `compile_program` runs the real compiler
+for the arguments' devices, which may be compile-only TPU topologies or CUDA target specs
+(jaxserve/preflight.py), and reads back what the device would hold:
+
+    argument bytes   weights, cache, state (per device)
+    temp bytes       the program's activations      <- KV-cache sizing (worker/kv_sizing.py)
+    alias bytes      arguments updated in place     <- the KV cache must be among them
+
+and whether the program copies the KV cache (a relayout into a kernel's layout shows up as a
+`copy` of the cache's shape: a whole cache of traffic and memory every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.worker.penalty_state import admit_inputs
+from jaxserve.worker.sampler import SamplerMode
+from jaxserve.worker.sampler_inputs import sampler_packing
+
+if TYPE_CHECKING:
+    from jaxserve.worker.model_runner import ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the engine, with abstract (or concrete) arguments."""
+
+    name: str  # e.g. "forward[T=512]", "sample[R=64, greedy]"
+    kind: str  # forward | sample | verify | prompt_logprobs | admit
+    fn: Callable[..., Any]  # the jitted function the runner dispatches
+    args: tuple[Any, ...]  # static values and ShapeDtypeStructs / arrays
+    mesh: Mesh
+    cache_arg: int | None = None  # index of the donated KV cache in `args`, if any
+    at_warm_up: bool = True  # False: compiled on first use (a request kind that needs it)
+    bucket: int = 0  # its token or row bucket
+    group: tuple[Any, ...] = ()  # programs alike but for the bucket (sizing takes the largest)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """What the compiler reported for one program (bytes are per device)."""
+
+    name: str
+    kind: str
+    at_warm_up: bool
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    cache_bytes: int  # the KV cache argument's bytes (0 without one)
+    cache_copies: int  # copies of the KV cache's shape in the compiled program
+
+    @property
+    def activation_bytes(self) -> int:
+        """What the program needs beyond its arguments: temp plus outputs not aliased."""
+        return self.temp_bytes + max(self.output_bytes - self.alias_bytes, 0)
+
+    def problems(self) -> list[str]:
+        """Why this program is not device-clean (empty when it is)."""
+        out = []
+        if self.cache_bytes and self.alias_bytes < self.cache_bytes:
+            out.append(f"the KV cache ({self.cache_bytes} B) is not aliased to an output "
+                       f"(alias {self.alias_bytes} B): it would be copied every step")
+        if self.cache_copies:
+            out.append(f"{self.cache_copies} copies of the KV cache inside the step (a relayout)")
+        return out
+
+
+def abstract(x: Any, sharding: Any) -> Any:
+    """The pytree `x` as ShapeDtypeStructs placed with `sharding` (one, or a matching tree)."""
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            x, sharding)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), x)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes the largest device holds of a pytree of (abstract or concrete) sharded arrays."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if sharding is not None else a.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _local_shape_text(x: Any) -> str:
+    """How the compiled HLO spells one device's shard of `x`'s shape: "[30,1024,16,256]"."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def count_cache_copies(hlo: str, cache: Any) -> int:
+    """`copy` / `copy-start` instructions producing an array of the cache shard's shape."""
+    shape = re.escape(_local_shape_text(cache))
+    pattern = re.compile(r"=\s*\w+" + shape + r"\{[^}]*\}\s+copy(-start)?\(")
+    return len(pattern.findall(hlo))
+
+
+def compile_program(program: Program, compiler_options: dict[str, Any] | None = None
+                    ) -> tuple[CompiledProgram, Any]:
+    """Lower and compile `program` for its arguments' devices (the device compiler runs:
+    Mosaic for TPU kernels, Triton and ptxas for GPU ones). Returns the report and the
+    compiled executable. Raises the compiler's error."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(program.mesh):  # Pallas TPU reads the generation from the mesh's devices
+        compiled = program.fn.trace(*program.args).lower().compile(compiler_options or None)
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cache = program.args[program.cache_arg] if program.cache_arg is not None else None
+    copies = count_cache_copies(compiled.as_text(), cache) if cache is not None else 0
+    report = CompiledProgram(
+        program.name, program.kind, program.at_warm_up, seconds,
+        int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+        int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
+        per_device_bytes(cache) if cache is not None else 0, copies)
+    return report, compiled
+
+
+
+
+def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Program]:
+    """`ModelRunner.programs()`: the runner's program table, in the order warm-up compiles
+    them, then (`on_first_use`) the variants compiled when a request first needs them. The
+    KV caches and the runner's state are whatever the runner holds (arrays, or abstract)."""
+    out: list[Program] = []
+    i32 = lambda shape, mesh: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    H, dtype = runner.model.cfg.hidden_size, runner.model.dtype
+    for T in runner.token_buckets:
+        for all_rows in (False, True) if on_first_use else (False,):
+            x = runner.last_sampled
+            for st in runner.stages:
+                if st.index > 0:
+                    x = jax.ShapeDtypeStruct((T, H), dtype, sharding=st.replicated)
+                name = f"forward[T={T}" + (f", stage {st.index}" if len(runner.stages) > 1 else "")
+                if all_rows:
+                    if not st.is_last:
+                        continue
+                    name += ", prompt logprobs"
+                buf = i32((runner.forward_packing(T).size,), st.mesh)
+                out.append(Program(name + "]", "forward", runner._stage,
+                                   (st.index, T, all_rows, st.params, st.kv_cache, x, buf),
+                                   st.mesh, cache_arg=4, at_warm_up=not all_rows, bucket=T,
+                                   group=("forward", st.index, all_rows)))
+    last = runner.stages[-1]
+    hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), dtype, sharding=last.replicated)
+    words = -(-runner.model.cfg.vocab_size // 32)
+    for R, verify in runner.sampler_keys():
+        buf = i32((sampler_packing(R, verify).size,), last.mesh)
+        for mode in SamplerMode:
+            for grammar in (False, True) if on_first_use else (False,):
+                kind = "verify" if verify else "sample"
+                extra = (i32((R, words), last.mesh),) if grammar else ()
+                name = f"{kind}[R={R}, {mode.value}{', grammar' if grammar else ''}]"
+                out.append(Program(name, kind, runner._sample,
+                                   (R, mode, verify, runner.params, hidden, runner.last_sampled,
+                                    runner.penalties, buf, *extra),
+                                   last.mesh, at_warm_up=not grammar, bucket=R,
+                                   group=(kind, mode, grammar)))
+    if on_first_use:
+        for T in runner.token_buckets:
+            every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
+            out.append(Program(f"prompt_logprobs[T={T}]", "prompt_logprobs", runner._prompt_lp,
+                               (runner.params, every, i32((T,), last.mesh)), last.mesh,
+                               at_warm_up=False, bucket=T, group=("prompt_logprobs",)))
+    arrays = admit_inputs(runner.batch.max_model_len, runner.model.cfg.vocab_size, [], [])
+    out.append(Program("admit", "admit", runner._admit,
+                       (runner.penalties, i32((), last.mesh),
+                        *(abstract(a, last.replicated) for a in arrays)), last.mesh))
+    return out
+
+
+def sizing_programs(programs: list[Program]) -> list[Program]:
+    """The programs whose activations bound the others': the largest bucket of each forward
+    (per stage), of the filtered-mode samplers (top-k/top-p sort: the largest temp of the
+    modes) and of prompt logprobs. Only the forwards take the KV cache; the others are the
+    very programs warm-up and first use compile (JAX's persistent cache serves them again)."""
+    largest: dict[tuple[Any, ...], Program] = {}
+    for p in programs:
+        wanted = (p.kind == "forward" and p.at_warm_up) or p.kind == "prompt_logprobs" or (
+            p.kind in ("sample", "verify") and p.group == (p.kind, SamplerMode.FILTERED, False))
+        if wanted and (p.group not in largest or p.bucket > largest[p.group].bucket):
+            largest[p.group] = p
+    return list(largest.values())

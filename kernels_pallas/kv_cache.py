@@ -7,13 +7,15 @@ platform's kernels want their own:
     standard (CPU, CUDA)   token [2 * num_kv_heads, head_dim] in the value dtype (fp8: uint8 bits)
                            rows:  k0 v0 k1 v1 ...   (key of kv head h at row 2h, value at 2h+1)
 
-    packed (TPU)           token [R * W] int32 words, W = head_dim * 2 rounded up to 128 lanes
-                           head h = [k_h | v_h | 0 pad] sits in row r = h // p of W lanes, at
-                           bits (h % p) * b of each word (p = 32 // b values of b bits a word):
+    packed (TPU)           token [R * L] int32 words: "slots" of L lanes, p = 32 // b slots of
+                           b-bit values per word, slot s in row s // p at bits (s % p) * b.
+                           head_dim a multiple of 128: slots k0 v0 k1 v1 ... of L = D lanes
+                           (bf16: row h holds k_h in its low halves and v_h in its high ones);
+                           otherwise one slot [k_h | v_h | 0 pad] per head, L = 2D rounded up
+                           to 128 lanes (D = 64, bf16: row 0 holds heads 0 and 1):
 
-                 lanes:    0        D        2D       W      W+D ...
-                 row 0:  | k0 | k1  | v0 | v1 | 0 pad | k2 | k3 | v2 | v3 | ...   (bf16: p = 2,
-                           (low 16 bits: head 0; high 16 bits: head 1)                 heads 0-3)
+                 lanes:    0          D          2D = L      L + D ...
+                 row 0:  | k0 / k1    | v0 / v1  |  k2 / k3  | v2 / v3 | ...   (low / high bits)
 
 The TPU compiler tiles the two minor dims of an array (to 8 x 128 words); a cache whose minor
 dims are (page_size, R * W) int32 is already in that tiling for any head count, head dim and
@@ -123,19 +125,33 @@ class KVCacheLayout:
         return 32 // self.bits
 
     @property
-    def row_lanes(self) -> int:
-        """W: words of one packed row, [k | v] of a head rounded up to whole 128-lane vregs."""
-        return -(-2 * self.head_dim // LANES) * LANES
+    def split(self) -> bool:
+        """Packed keys and values in slots of their own (head_dim a multiple of 128 lanes);
+        otherwise a head's [k | v] shares one slot."""
+        return self.head_dim % LANES == 0
+
+    @property
+    def slot_lanes(self) -> int:
+        """L: words of one slot (a packed row)."""
+        return self.head_dim if self.split else -(-2 * self.head_dim // LANES) * LANES
+
+    @property
+    def num_slots(self) -> int:
+        return 2 * self.num_kv_heads if self.split else self.num_kv_heads
 
     @property
     def num_rows(self) -> int:
-        """R: packed rows per token (heads / packing, rounded up)."""
-        return -(-self.num_kv_heads // self.packing)
+        """R: packed rows per token (slots / packing, rounded up)."""
+        return -(-self.num_slots // self.packing)
+
+    def slot_of(self, head: int, value: bool) -> int:
+        """The packed slot of a head's keys (or values: `value`)."""
+        return 2 * head + value if self.split else head
 
     @property
     def token_shape(self) -> tuple[int, ...]:
         if self.packed:
-            return (self.num_rows * self.row_lanes,)
+            return (self.num_rows * self.slot_lanes,)
         return (2 * self.num_kv_heads, self.head_dim)
 
     def cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -165,31 +181,34 @@ class KVCacheLayout:
             return (kv_cache_bits(rows, self.dtype) if self.is_fp8
                     else rows.astype(self.storage_dtype))
         T, kvh, D = k.shape
-        R, p, W = self.num_rows, self.packing, self.row_lanes
-        heads = jnp.concatenate([k, v], axis=-1).astype(self.value_dtype)  # [T, kvh, 2D]
-        heads = jnp.pad(heads, ((0, 0), (0, R * p - kvh), (0, W - 2 * D)))
+        R, p, L = self.num_rows, self.packing, self.slot_lanes
+        # [T, slots, L]: k0 v0 k1 v1 ... (split), or [k_h | v_h] per head.
+        slots = interleave_kv(k, v) if self.split else jnp.concatenate([k, v], axis=-1)
+        slots = slots.astype(self.value_dtype)
+        slots = jnp.pad(slots, ((0, 0), (0, R * p - slots.shape[1]), (0, L - slots.shape[2])))
         if p == 1:
-            words = jax.lax.bitcast_convert_type(heads, jnp.int32)  # [T, R, W]
+            words = jax.lax.bitcast_convert_type(slots, jnp.int32)  # [T, R, L]
         else:
-            # [T, R, p, W] -> [T, R, W, p]: the p heads of a word side by side, head 0 lowest.
-            grouped = heads.reshape(T, R, p, W).transpose(0, 1, 3, 2)
+            # [T, R, p, L] -> [T, R, L, p]: the p slots of a word side by side, slot 0 lowest.
+            grouped = slots.reshape(T, R, p, L).transpose(0, 1, 3, 2)
             words = jax.lax.bitcast_convert_type(grouped, jnp.int32)
-        return words.reshape(T, R * W)
+        return words.reshape(T, R * L)
 
     def unpack(self, entries: jax.Array) -> jax.Array:
         """[..., *token_shape] cache entries -> [..., 2 * kvh, D] values (k0 v0 k1 v1 ...)."""
         if not self.packed:
             return kv_cache_values(entries, self.dtype) if self.is_fp8 else entries
         lead = entries.shape[:-1]
-        R, p, W, D, kvh = self.num_rows, self.packing, self.row_lanes, self.head_dim, self.num_kv_heads
-        words = entries.reshape(*lead, R, W)
+        R, p, L, D, kvh = self.num_rows, self.packing, self.slot_lanes, self.head_dim, self.num_kv_heads
+        words = entries.reshape(*lead, R, L)
         if p == 1:
-            heads = jax.lax.bitcast_convert_type(words, self.value_dtype)  # [..., R, W]
+            slots = jax.lax.bitcast_convert_type(words, self.value_dtype)  # [..., R, L]
         else:
-            vals = jax.lax.bitcast_convert_type(words, self.value_dtype)  # [..., R, W, p]
-            heads = jnp.moveaxis(vals, -1, -2).reshape(*lead, R * p, W)
-        heads = heads[..., :kvh, : 2 * D].reshape(*lead, kvh, 2, D)
-        return heads.reshape(*lead, 2 * kvh, D)
+            vals = jax.lax.bitcast_convert_type(words, self.value_dtype)  # [..., R, L, p]
+            slots = jnp.moveaxis(vals, -1, -2).reshape(*lead, R * p, L)
+        if self.split:
+            return slots[..., : 2 * kvh, :]
+        return slots[..., :kvh, : 2 * D].reshape(*lead, 2 * kvh, D)
 
 
 def standard_layout(kv_pages: Any, kv_cache_dtype: str = "auto") -> KVCacheLayout:

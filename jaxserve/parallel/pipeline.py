@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.models import ArchConfig, LlamaForCausalLM
+from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
+from jaxserve.models.quantization import param_tree
 from jaxserve.parallel.sharding import param_shardings
 
 
@@ -85,5 +87,44 @@ def build_stages(
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
         params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))
+        stages.append(Stage(i, rng, sub, model, params, first, last))
+    return stages
+
+
+def abstract_params(model: LlamaForCausalLM) -> Any:
+    """The loaders' param tree of `model` (decoder and LM head) as ShapeDtypeStructs."""
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
+    # Parameter shapes do not depend on the mesh or the kernels: initialise the plain model.
+    plain = dataclasses.replace(model, mesh=None, attention_backend="reference",
+                                attention_interpret=False)
+    kv = plain.kv_cache(4, 16)
+
+    def init_all(module: LlamaForCausalLM, ids, pos, cache, md):
+        return module.compute_logits(module(ids, pos, cache, md)[0])
+
+    return param_tree(jax.eval_shape(lambda *a: plain.init(*a, method=init_all),
+                                     jax.random.key(0), i32(16), i32(16), kv, md))
+
+
+def abstract_stages(
+    arch: ArchConfig, mesh: Mesh, dtype: Any, attention_backend: str,
+    attention_interpret: bool = False, quantization: str | None = None, kv_cache_dtype: str = "auto",
+) -> list[Stage]:
+    """`build_stages` without weights: each stage's params as ShapeDtypeStructs carrying their
+    shardings, for compiling on devices this process may not drive (preflight, KV sizing)."""
+    pp, tp = mesh.shape["stage"], mesh.shape["model"]
+    full = abstract_params(LlamaForCausalLM(arch, dtype, quantization=quantization,
+                                            kv_cache_dtype=kv_cache_dtype))
+    stages = []
+    for i, rng in enumerate(split_layers(arch.num_hidden_layers, pp)):
+        sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
+        first, last = i == 0, i == pp - 1
+        host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch.tie_word_embeddings), full)
+        cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
+        model = LlamaForCausalLM(cfg, dtype, attention_backend, attention_interpret,
+                                 sub if tp > 1 else None, quantization, kv_cache_dtype)
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              host, param_shardings(host, sub))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages

@@ -127,6 +127,13 @@ def head_layout(arch: ArchConfig, tp: int) -> HeadLayout:
     return HeadLayout(padded, padded * group, 1, padded - kvh)
 
 
+def adapted_arch(arch: ArchConfig, tp: int) -> ArchConfig:
+    """The head counts the model runs with under `tp` (see head_layout)."""
+    lay = head_layout(arch, tp)
+    return dataclasses.replace(arch, num_key_value_heads=lay.num_kv_heads,
+                               num_attention_heads=lay.num_q_heads)
+
+
 def adapt_heads(arch: ArchConfig, params: dict[str, Any], tp: int) -> tuple[ArchConfig, dict[str, Any]]:
     """Replicate or pad heads (host NumPy) so that `tp` divides them; same outputs."""
     lay = head_layout(arch, tp)
@@ -158,6 +165,4 @@ def adapt_heads(arch: ArchConfig, params: dict[str, Any], tp: int) -> tuple[Arch
     o = attn["o_proj"]["kernel"]  # [L, q_heads * D, H]: rows follow q's columns
     attn["o_proj"] = {"kernel": np.swapaxes(q_cols(np.swapaxes(o, -1, -2)), -1, -2)}
     layers = dict(params["params"]["layers"], self_attn=attn)
-    new_params = {"params": dict(params["params"], layers=layers)}
-    new_arch = dataclasses.replace(arch, num_key_value_heads=lay.num_kv_heads, num_attention_heads=lay.num_q_heads)
-    return new_arch, new_params
+    return adapted_arch(arch, tp), {"params": dict(params["params"], layers=layers)}

@@ -21,6 +21,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -185,6 +186,22 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
                        (runner.penalties, i32((), last.mesh),
                         *(abstract(a, last.replicated) for a in arrays)), last.mesh))
     return out
+
+
+def compile_programs(programs: list[Program], compiler_options: dict[str, Any] | None = None,
+                     threads: int = 1) -> list[CompiledProgram | BaseException]:
+    """`compile_program` for each, in order; a failed compile is its exception. XLA compiles
+    outside the GIL, so `threads` > 1 runs that many compiles at once."""
+    def one(p: Program) -> CompiledProgram | BaseException:
+        try:
+            return compile_program(p, compiler_options)[0]
+        except Exception as e:  # noqa: BLE001 - the compiler's error is the result
+            return e
+
+    if threads <= 1:
+        return [one(p) for p in programs]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, programs))
 
 
 def sizing_programs(programs: list[Program]) -> list[Program]:

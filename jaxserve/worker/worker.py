@@ -30,11 +30,11 @@ from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
-from jaxserve.parallel.pipeline import build_stages
-from jaxserve.parallel.sharding import adapt_heads, head_layout, kv_cache_sharding, param_shardings
+from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages
+from jaxserve.parallel.sharding import (
+    adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings)
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, plan_kv_cache
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
@@ -111,13 +111,16 @@ def int8_matmul_path(quantization: str | None, platform: str, tp: int) -> str | 
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None,
+                 devices: list[jax.Device] | None = None) -> None:
+        """`devices`: run on these (e.g. compile-only TPU/GPU devices for the preflight)
+        instead of the process's own; such a worker only `load_abstract_model`s."""
         enable_compilation_cache()
         self.config = config
         self.model_files = model_files or resolve_model(config.model_config.model)
         # Before anything touches a device: join the other hosts, if any.
         self.distributed = initialize_distributed(config.parallel_config)
-        self.mesh = make_mesh(config.parallel_config)
+        self.mesh = make_mesh(config.parallel_config, devices)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
         self.attention_backend = resolve_attention_backend(
@@ -143,6 +146,20 @@ class Worker:
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
         self.timings["load_s"] = time.perf_counter() - t0
+
+    def load_abstract_model(self) -> None:
+        """`load_model` without weights: the stages' params are ShapeDtypeStructs with their
+        shardings (from config.json or the GGUF header alone), for compiling and sizing."""
+        tp = self.config.parallel_config.tensor_parallel_size
+        self.arch = read_arch(self.model_files)
+        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
+        self.run_arch = adapted_arch(self.arch, tp)
+        quantization = self.config.model_config.quantization
+        self.stages = abstract_stages(
+            self.run_arch, self.mesh, self.dtype, self.attention_backend,
+            self.config.attention_interpret, quantization, self.config.cache_config.cache_dtype)
+        self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
+        self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and

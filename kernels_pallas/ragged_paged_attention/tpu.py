@@ -1,7 +1,7 @@
 """Ragged paged attention for TPUs: a Pallas kernel with Mosaic lowering, over the packed cache.
 
-The cache is the packed layout of `kernels_pallas/kv_cache.py`: each token's heads as rows of
-W int32 lanes, [k | v] of a head in one row, p heads of b-bit values per word. Every load the
+The cache is the packed layout of `kernels_pallas/kv_cache.py`: each token's keys and values
+as rows of L int32 lanes ("slots"), p slots of b-bit values per word. Every load the
 kernel does is 32-bit and lane-aligned, so it compiles for float32, bfloat16 and fp8 caches on
 every TPU generation (Mosaic has no strided load of sub-32-bit data), and the values are
 unpacked with 32-bit integer arithmetic (no 16- or 8-bit vector ops, which v5e lacks).
@@ -20,17 +20,17 @@ Scalars (page table, kv_lens, cu_q_lens, num_seqs, each q block's first sequence
 prefetched into SMEM. No ref is ever reshaped or bitcast (the TPU interpreter of jax 0.10.2
 supports neither, and interpret mode is how the CPU checks this kernel):
 
-    kv_hbm  [num_pages, page_size, R * W] int32   the cache as stored
-    kv_buf  [2, pages_per_block * page_size, R * W]  VMEM double buffer of whole pages
-    q, out  [kvh, num_q_blocks * block_q * group, Wq]  q re-laid out in XLA so that head h's
-                                                   block is a 2-D [block_q * group, Wq] tile
+    kv_hbm  [num_pages, page_size, R * L] int32   the cache as stored
+    kv_buf  [2, pages_per_block * page_size, R * L]  VMEM double buffer of whole pages
+    q, out  [kvh, num_q_blocks * block_q * group, Lq]  q re-laid out in XLA so that head h's
+                                                   block is a 2-D [block_q * group, Lq] tile
                                                    (rows t0g0 t0g1 .. t1g0 ..): GQA shares
                                                    one K/V load across the whole group.
 
-Head dims that are a multiple of 128: k and v are the row's two lane-aligned halves (Wq = D).
-Otherwise (e.g. 64): q is zero-padded to the row's W lanes, so q . row = q . k, and p @ row
-holds p @ v in lanes D..2D, which XLA slices out after the kernel (the MXU does twice the
-work of an exact fit; the cache holds no padding for D = 64).
+Head dims that are a multiple of 128: keys and values have slots of their own (Lq = D).
+Otherwise (e.g. 64) a slot is [k | v | pad]: q is zero-padded to its L lanes, so q . slot =
+q . k, and p @ slot holds p @ v in lanes D..2D, which XLA slices out after the kernel (the MXU
+does twice the work of an exact fit; the cache holds no padding for D = 64).
 
 Each row belongs to exactly one sequence, so the float32 running max / sum / accumulator live
 in VMEM scratch for the whole q block and each (seq, kv block) step updates only its rows.
@@ -96,21 +96,20 @@ def _kernel(
     num_seqs_ref,  # int32[1]
     first_seq_ref,  # int32[num_q_blocks]: first sequence with tokens in each q block
     # inputs
-    q_ref,  # VMEM [kvh, rows, Wq], rows = block_q * group
-    kv_hbm,  # HBM  [num_pages, page_size, R * W] int32
+    q_ref,  # VMEM [kvh, rows, Lq], rows = block_q * group
+    kv_hbm,  # HBM  [num_pages, page_size, R * L] int32
     # output
-    o_ref,  # VMEM [kvh, rows, Wq]
+    o_ref,  # VMEM [kvh, rows, Lq]
     # scratch
-    kv_buf,  # VMEM [2, pages_per_block * page_size, R * W] int32
+    kv_buf,  # VMEM [2, pages_per_block * page_size, R * L] int32
     sems,  # DMA semaphores [2], one per buffer
-    m_ref, l_ref, acc_ref,  # VMEM f32 [kvh, rows, Wq] (m, l replicated along lanes)
+    m_ref, l_ref, acc_ref,  # VMEM f32 [kvh, rows, Lq] (m, l replicated along lanes)
     *, layout: KVCacheLayout, sm_scale: float, block_q: int, group: int, page_size: int,
     pages_per_block: int, pages_per_seq: int, sliding_window: int | None,
     soft_cap: float | None, mask_value: float, v_scale: float | None,
 ):
     num_kv_heads, rows, q_lanes = q_ref.shape
-    head_dim, W = layout.head_dim, layout.row_lanes
-    split = q_lanes == head_dim  # k and v are the row's halves
+    L = layout.slot_lanes
     block_k = pages_per_block * page_size
     blk_start = pl.program_id(0) * block_q
     blk_end = blk_start + block_q
@@ -154,10 +153,8 @@ def _kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def attend_head(h, kv, visible, mine):
-        """Fold one kv head's block (kv: float32 [block_k, W], zero outside the context)."""
-        kv = kv.astype(q_ref.dtype)
-        k, v = (kv[:, :head_dim], kv[:, head_dim:2 * head_dim]) if split else (kv, kv)
+    def attend_head(h, k, v, visible, mine):
+        """Fold one kv head's block (k, v: [block_k, L] in q's dtype, zero outside the context)."""
         s = lax.dot_general(q_ref[h], k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
@@ -166,7 +163,7 @@ def _kernel(
         m_prev, l_prev, acc_prev = m_ref[h], l_ref[h], acc_ref[h]
         m_cur = s.max(axis=1, keepdims=True)  # [rows, 1]
         p = jnp.exp(s - m_cur)
-        m_next = jnp.maximum(m_prev, m_cur)  # [rows, Wq]
+        m_next = jnp.maximum(m_prev, m_cur)  # [rows, Lq]
         alpha, beta = jnp.exp(m_prev - m_next), jnp.exp(m_cur - m_next)
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         m_ref[h] = jnp.where(mine, m_next, m_prev)
@@ -182,16 +179,23 @@ def _kernel(
         if sliding_window is not None:
             visible &= kpos > pos - sliding_window
         t_row = blk_start + _div(lax.broadcasted_iota(jnp.int32, (rows, q_lanes), 0), group)
-        mine = (t_row >= q_start) & (t_row < q_end)  # [rows, Wq]: rows of this sequence
-        in_ctx = kv_blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k, W), 0) < kv_len
-        for r in range(layout.num_rows):  # static: one 32-bit load serves p heads
-            words = kv_buf[buf, :, pl.ds(r * W, W)]  # [block_k, W] int32, lane-aligned
-            for i in range(layout.packing):
-                h = r * layout.packing + i
-                if h < num_kv_heads:
-                    # Slots past kv_len may hold NaN: zero them (a masked score times NaN is NaN).
-                    kv = jnp.where(in_ctx, decode_values(words, i, layout), 0.0)
-                    attend_head(h, kv, visible, mine)
+        mine = (t_row >= q_start) & (t_row < q_end)  # [rows, Lq]: rows of this sequence
+        in_ctx = kv_blk * block_k + lax.broadcasted_iota(jnp.int32, (block_k, L), 0) < kv_len
+        loaded: dict[int, jax.Array] = {}  # the row last loaded: one 32-bit load serves p slots
+
+        def slot_values(slot: int) -> jax.Array:
+            row, index = divmod(slot, layout.packing)
+            if row not in loaded:
+                loaded.clear()
+                loaded[row] = kv_buf[buf, :, pl.ds(row * L, L)]  # [block_k, L], lane-aligned
+            # Slots past kv_len may hold NaN: zero them (a masked score times NaN is NaN).
+            vals = jnp.where(in_ctx, decode_values(loaded[row], index, layout), 0.0)
+            return vals.astype(q_ref.dtype)
+
+        for h in range(num_kv_heads):  # static: every q head of the group shares this load
+            k = slot_values(layout.slot_of(h, False))
+            v = slot_values(layout.slot_of(h, True)) if layout.split else k
+            attend_head(h, k, v, visible, mine)
 
     def body(carry):
         seq, kv_blk, buf = carry
@@ -234,7 +238,7 @@ def default_tuning(num_q_heads: int, num_kv_heads: int, page_size: int) -> tuple
     "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    kv_pages: jax.Array,  # [num_pages, page_size, R * W] int32 (layout.packed)
+    kv_pages: jax.Array,  # [num_pages, page_size, R * L] int32 (layout.packed)
     kv_lens: jax.Array,  # int32[max_num_seqs]
     page_indices: jax.Array,  # int32[max_num_seqs, pages_per_seq]
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
@@ -268,7 +272,7 @@ def ragged_paged_attention(
     num_q_blocks = pl.cdiv(num_tokens, block_q)
     padded = num_q_blocks * block_q
     rows = block_q * group
-    q_lanes = head_dim if head_dim % 128 == 0 else layout.row_lanes
+    q_lanes = layout.slot_lanes
 
     # Scalars. cu_q_lens past num_seqs is unspecified: make it flat so it stays sorted.
     n = num_seqs[0]
@@ -278,7 +282,7 @@ def ragged_paged_attention(
     scalars = (kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32), cu,
                num_seqs.astype(jnp.int32), first_seq)
 
-    # [T, H, D] -> [kvh, padded * group, Wq] (copies q, never K/V).
+    # [T, H, D] -> [kvh, padded * group, Lq] (copies q, never K/V).
     qg = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, q_lanes - head_dim)))
     qg = qg.reshape(padded, num_kv_heads, group, q_lanes).transpose(1, 0, 2, 3)
     qg = qg.reshape(num_kv_heads, padded * group, q_lanes)

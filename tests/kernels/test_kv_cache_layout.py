@@ -44,15 +44,19 @@ def test_pack_unpack_round_trip(dtype: str, num_kv_heads: int, head_dim: int) ->
 
 def test_kv_cache_shape_per_platform() -> None:
     # The default model (3 KV heads of 64): CPU/GPU keep [2 * kvh, D] in the value dtype
-    # (fp8 as uint8 bits); the TPU packs [k | v] per head into 128 lanes of int32 words.
+    # (fp8 as uint8 bits); the TPU packs [k | v] per head into 128 lanes of int32 words
+    # (bf16: 2 heads a row, so 3 heads take 2 rows).
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "cpu") == (
         (10, 16, 6, 64), jnp.bfloat16)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "fp8", "cuda") == ((10, 16, 6, 64), jnp.uint8)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "tpu") == ((10, 16, 256), jnp.int32)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "fp8", "tpu") == ((10, 16, 128), jnp.int32)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "float32", "tpu") == ((10, 16, 384), jnp.int32)
-    # Llama-3-8B: 8 KV heads of 128, bf16: 8 * 2 * 128 values of 2 bytes = 1024 words a token.
+    # Llama-3-8B: 8 KV heads of 128, bf16: 8 * 2 * 128 values of 2 bytes = 1024 words a token,
+    # with no padding even for one head a device (tensor parallel 8): k_h and v_h share a row.
     assert kernels_pallas.kv_cache_shape(10, 16, 8, 128, "bfloat16", "tpu") == ((10, 16, 1024), jnp.int32)
+    assert kernels_pallas.kv_cache_shape(10, 16, 1, 128, "bfloat16", "tpu") == ((10, 16, 128), jnp.int32)
+    assert kernels_pallas.kv_cache_shape(10, 16, 1, 128, "fp8", "tpu") == ((10, 16, 128), jnp.int32)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
         kernels_pallas.kv_cache_shape(10, 16, 3, 64, "int4", "tpu")
     with pytest.raises(ValueError, match="unknown platform 'rocm'"):

@@ -19,6 +19,7 @@ class SchedulingPolicy(enum.Enum):
 
 
 QUANTIZATION_METHODS = ("int8",)
+LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels_pallas.FP8_KV_CACHE_DTYPES
 
 
@@ -47,6 +48,9 @@ class ModelConfig:
     tokenizer: str | None = None  # None: the model's own
     # "int8": int8 weights quantized at load (jaxserve/models/quantization.py).
     quantization: str | None = None
+    # vLLM's --load-format: "auto" reads the checkpoint; "dummy" gives random weights of its
+    # config's shapes (config.json alone suffices: benchmarks, device checks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -54,6 +58,9 @@ class ModelConfig:
                 f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {self.dtype!r}"
             )
         check_quantization(self.quantization)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                             f"got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -268,6 +275,7 @@ def make_engine_config(
     speculative_config: dict | SpeculativeConfig | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    load_format: str = "auto",
 ) -> EngineConfig:
     """vLLM's engine arguments -> a validated EngineConfig (every process of a
     multi-host engine builds the same one)."""
@@ -280,7 +288,7 @@ def make_engine_config(
     return EngineConfig(
         model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                  served_model_name=served_model_name, tokenizer=tokenizer,
-                                 quantization=quantization),
+                                 quantization=quantization, load_format=load_format),
         cache_config=CacheConfig(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,

@@ -142,6 +142,11 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the report as one JSON object")
     g.add_argument("--only-warm-up", action="store_true",
                    help="compile only warm-up's programs, not the first-use variants")
+    g.add_argument("--programs", default=None, metavar="KINDS",
+                   help="only these kinds of programs, comma-separated (forward, sample, "
+                        "verify, prompt_logprobs, admit); default: all")
+    g.add_argument("--compile-threads", type=int, default=None,
+                   help="compiles at once (default: one per CPU core, at most 4)")
     return p
 
 
@@ -161,17 +166,34 @@ def validate(args: argparse.Namespace) -> tuple[Target, Any, ModelFiles, Any]:
 
 
 def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: bool = True,
-                  threads: int | None = None) -> PreflightReport:
+                  threads: int | None = None, kinds: tuple[str, ...] | None = None
+                  ) -> PreflightReport:
     """Size the cache and compile every program for `target` (the JAX part); `threads`
-    compiles at once (default: one per CPU core, at most 4)."""
+    compiles at once (default: one per CPU core, at most 4); `kinds` keeps only programs of
+    those kinds ("forward", "sample", ...)."""
+    import jax
+    from jax._src import compilation_cache  # JAX decides once per process whether it caches
+
+    # Compile-only executables cannot be loaded back from JAX's persistent cache: keep them
+    # out of it (and out of the user's disk), then give the process its cache back.
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        return _run(config, target, files, on_first_use, threads, kinds)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+        compilation_cache.reset_cache()
+
+
+def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
+         threads: int | None, kinds: tuple[str, ...] | None) -> PreflightReport:
     import jax
 
     from jaxserve.worker.programs import compile_programs
     from jaxserve.worker.targets import make_devices
     from jaxserve.worker.worker import Worker
 
-    # Compile-only executables cannot be loaded back from JAX's persistent cache.
-    jax.config.update("jax_enable_compilation_cache", False)
     pc = config.parallel_config
     devices = make_devices(target, pc.tensor_parallel_size * pc.pipeline_parallel_size)
     worker = Worker(config, files, devices=devices)
@@ -199,7 +221,7 @@ def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: 
         report.error = f"a sizing program failed to compile: {' '.join(str(e).split())[:800]}"
         return report
     runner = worker.make_runner(report.memory.num_pages, abstract=True)
-    programs = runner.programs(on_first_use)
+    programs = [p for p in runner.programs(on_first_use) if kinds is None or p.kind in kinds]
     m = report.memory
     for program, c in zip(programs, compile_programs(programs, options, threads)):
         if isinstance(c, BaseException):
@@ -230,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     try:
-        report = run_preflight(config, target, files, on_first_use=not args.only_warm_up)
+        kinds = tuple(args.programs.split(",")) if args.programs else None
+        report = run_preflight(config, target, files, on_first_use=not args.only_warm_up,
+                               threads=args.compile_threads, kinds=kinds)
     except ValueError as e:  # e.g. more devices asked for than the topology has
         parser.error(str(e))
     print(json.dumps(report.to_json(), indent=1) if args.json else report.to_text())

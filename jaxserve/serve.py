@@ -125,6 +125,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
                         help="int8: per-channel int8 weights quantized at load from any checkpoint, "
                              "dequantized inside the matmul")
+    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights of the model's shapes (its config.json "
+                             "alone suffices), for benchmarks and device checks")
     engine.add_argument("--seed", type=int, default=0,
                         help="engine seed (requests without a seed derive theirs from it)")
     engine.add_argument("--attention-backend", default="auto",
@@ -212,6 +215,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         attention_interpret=args.attention_interpret, request_tracing=args.request_tracing,
         speculative_config=args.speculative_config, quantization=args.quantization,
+        load_format=args.load_format,
     )
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels_pallas  # noqa: E402
+from kernels_pallas.kv_cache import convert_cache, standard_layout  # noqa: E402
 
 # Peak HBM bandwidth in bytes/s by `jax.devices()[0].device_kind` (prefix match, first wins).
 PEAK_HBM_BYTES_PER_S = {
@@ -184,14 +185,25 @@ def main() -> None:
         want = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(*a, sm_scale=scale))(*args)
         runs: list[tuple[str, Callable[[], jax.Array]]] = []
         for name in names:
-            fn = jax.jit(lambda *a, name=name: kernels_pallas.ragged_paged_attention(
-                *a, sm_scale=scale, backend=name,
+            bargs, layout = args, None
+            if kernels_pallas.get_backend(name).packed_layout:  # its own layout, made once
+                std = standard_layout(args[1])
+                layout = dataclasses.replace(std, packed=True)
+                bargs = (args[0], convert_cache(args[1], std, layout), *args[2:])
+            fn = jax.jit(lambda *a, name=name, layout=layout: kernels_pallas.ragged_paged_attention(
+                *a, sm_scale=scale, backend=name, layout=layout,
                 interpret=interpret and name != "reference"))
-            runs.append((name, lambda fn=fn: fn(*args)))
+            runs.append((name, lambda fn=fn, bargs=bargs: fn(*bargs)))
         if platform == "cuda" or (interpret and "gpu" in names):
             extra = jax_gpu_paged_attention(w, args, interpret)
             if extra is not None:
                 runs.append(("jax.ops.gpu.paged_attn", extra))
+        if platform == "tpu":  # JAX's own TPU kernel takes the standard layout (not interpretable)
+            from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+                ragged_paged_attention as jax_rpa)
+
+            upstream = jax.jit(lambda *a: jax_rpa(*a, sm_scale=scale))
+            runs.append(("jax.ops.tpu.ragged_pa", lambda: upstream(*args)))
         for name, fn in runs:
             try:
                 seconds = time_fn(fn, iters)

@@ -33,12 +33,10 @@ from jax import export
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
-from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM, kv_cache_shape
-from jaxserve.models.llama import kv_cache_storage_dtype
-from jaxserve.models.quantization import param_tree
+from jaxserve.models import ArchConfig, LlamaForCausalLM
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
-from jaxserve.parallel.pipeline import Stage
+from jaxserve.parallel.pipeline import Stage, abstract_params
 from jaxserve.config import KV_CACHE_DTYPES, ParallelConfig
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
@@ -81,15 +79,8 @@ def build_runner(
     arch = SHAPES[shapes]
     model = LlamaForCausalLM(arch, jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
                              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, NUM_PAGES, BLOCK_SIZE),
-                              kv_cache_storage_dtype(kv_cache_dtype, jnp.bfloat16))
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
-    def init_all(module: LlamaForCausalLM, ids, pos, cache, md):  # decoder and LM head
-        return module.compute_logits(module(ids, pos, cache, md)[0])
-
-    params = param_tree(jax.eval_shape(lambda *a: model.init(*a, method=init_all),
-                                       jax.random.key(0), i32(16), i32(16), kv, md))
+    kv = model.kv_cache(NUM_PAGES, BLOCK_SIZE)  # the platform's layout (TPU: packed int32)
+    params = abstract_params(model)
     mesh = make_mesh(ParallelConfig())
     stage = Stage(0, (0, arch.num_hidden_layers), mesh, model, params, True, True, kv)
     runner = ModelRunner([stage], max_num_seqs=MAX_NUM_SEQS,
@@ -153,7 +144,8 @@ def export_step(
     runner, kv = build_runner(shapes, platform, quantization, kv_cache_dtype)
     stage = runner.stages[0]
     S, H = MAX_NUM_SEQS, stage.model.cfg.hidden_size
-    kv_type = "tensor<" + "x".join(map(str, kv.shape)) + ("xui8>" if kv.dtype == jnp.uint8 else "xbf16>")
+    element = {"uint8": "ui8", "int32": "i32", "bfloat16": "bf16"}[jnp.dtype(kv.dtype).name]
+    kv_type = "tensor<" + "x".join(map(str, kv.shape)) + f"x{element}>"
     last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
     reports = []
     forward = jax.jit(runner._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))

@@ -30,4 +30,6 @@ def version(name):
 print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
 PY
 export JAX_PLATFORMS=cpu
+# The device-compile tests (tests/device_compile) fail, rather than skip, without the preflight extra.
+export JAXSERVE_REQUIRE_DEVICE_COMPILE=1
 exec python -m pytest -q -p no:cacheprovider "$@"

@@ -128,3 +128,25 @@ def abstract_stages(
                               host, param_shardings(host, sub))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages
+
+
+def random_weights(params: Any, seed: int = 0) -> Any:
+    """Random arrays for a tree of sharded ShapeDtypeStructs, made on their devices (vLLM's
+    --load-format dummy): normal(0, 0.02) floats; int8 `qweight`s in [-127, 127] with the
+    `scale` that gives them the same spread. Meaningless tokens, real shapes and speed."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    quantized = {path[:-1] for path, a in leaves if getattr(path[-1], "key", None) == "qweight"}
+
+    def make():
+        keys = jax.random.split(jax.random.key(seed), len(leaves))
+        out = []
+        for key, (path, a) in zip(keys, leaves):
+            if jnp.issubdtype(a.dtype, jnp.integer):
+                out.append(jax.random.randint(key, a.shape, -127, 128, jnp.int32).astype(a.dtype))
+            elif path[:-1] in quantized:  # an int8 weight's scale
+                out.append(jnp.full(a.shape, 0.02 / 127, a.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    return jax.jit(make, out_shardings=jax.tree.map(lambda a: a.sharding, params))()

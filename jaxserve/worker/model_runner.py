@@ -231,7 +231,11 @@ class ModelRunner:
         slots, real = u.pop("slots"), u.pop("real")
         drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
         md = SamplingMetadata(**u)
-        logits = self.model.apply(params, hidden[:num_rows], method=LlamaForCausalLM.compute_logits)
+        # The barrier keeps the row slice out of the LM head's GEMM fusion: XLA's Triton GEMM
+        # emitter fails on a fused one-row slice (R = 1 on H100/H200: "Reshape input and output
+        # shapes must be the same, got 1x16 -> 16x8"). An identity: the logits are the same.
+        rows = jax.lax.optimization_barrier(hidden[:num_rows])
+        logits = self.model.apply(params, rows, method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
         processors = LogitsProcessors(penalties.stop_mask[rows], penalties.bias_ids[rows],
                                       penalties.bias_values[rows], bitmask)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,9 @@ from jaxserve.worker.sampler_inputs import sampler_packing
 
 if TYPE_CHECKING:
     from jaxserve.worker.model_runner import ModelRunner
+
+
+COMPILE_THREAD_STACK_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +204,14 @@ def compile_programs(programs: list[Program], compiler_options: dict[str, Any] |
 
     if threads <= 1:
         return [one(p) for p in programs]
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, programs))
+    # The TPU compiler recurses deeply (tpu7x's SparseCore lowering overflowed a default
+    # 8 MiB thread stack): give the compile threads the room a main thread has and more.
+    previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, programs))
+    finally:
+        threading.stack_size(previous)
 
 
 def sizing_programs(programs: list[Program]) -> list[Program]:

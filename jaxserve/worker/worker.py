@@ -30,7 +30,7 @@ from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
-from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages
+from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages, random_weights
 from jaxserve.parallel.sharding import (
     adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings)
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
@@ -132,6 +132,12 @@ class Worker:
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
+        if self.config.model_config.load_format == "dummy":
+            self.load_abstract_model()
+            self.stages = [dataclasses.replace(st, params=random_weights(st.params, i))
+                           for i, st in enumerate(self.stages)]
+            self.timings["load_s"] = time.perf_counter() - t0
+            return
         tp = self.config.parallel_config.tensor_parallel_size
         self.arch, host_params = self._read_weights(tp)
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
@@ -221,23 +227,31 @@ class Worker:
         activations + the cache fill `gpu_memory_utilization` of the device. Refuses (an
         InsufficientMemoryError naming the figures and knobs) before compiling anything when
         the weights alone do not fit. `memory_bytes`/`device` default to the first device's."""
-        dev = self.mesh.devices.flat[0]
         if memory_bytes is None:
-            memory_bytes = int(dev.memory_stats()["bytes_limit"])
-        device = device or dev.device_kind
+            memory_bytes, device = self.device_memory()
+        device = device or self.mesh.devices.flat[0].device_kind
         cc = self.config.cache_config
         weights = max(per_device_bytes(st.params) for st in self.stages)
         probe = self.make_runner(self._min_num_blocks(), abstract=True)
         state = per_device_bytes(probe.state_bytes())
         check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state)
-        self.sizing_programs = [compile_program(p, compiler_options)[0]
-                                for p in sizing_programs(probe.programs())]
-        activations = max(c.activation_bytes for c in self.sizing_programs)
+        page_bytes, budget = self.page_bytes(), cc.kv_cache_memory_bytes
+        if cc.num_gpu_blocks_override is not None:  # the pages are given: nothing to measure
+            activations, budget = 0, cc.num_gpu_blocks_override * page_bytes
+        else:
+            self.sizing_programs = [compile_program(p, compiler_options)[0]
+                                    for p in sizing_programs(probe.programs())]
+            activations = max(c.activation_bytes for c in self.sizing_programs)
         return plan_kv_cache(
             device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
             weight_bytes=weights, state_bytes=state, activation_bytes=activations,
-            page_bytes=self.page_bytes(), page_size=cc.block_size,
-            max_model_len=self.max_model_len, kv_cache_memory_bytes=cc.kv_cache_memory_bytes)
+            page_bytes=page_bytes, page_size=cc.block_size, max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=budget)
+
+    def device_memory(self) -> tuple[int, str]:
+        """(bytes the runtime lets the engine use, device kind) of the first device."""
+        dev = self.mesh.devices.flat[0]
+        return int(dev.memory_stats()["bytes_limit"]), dev.device_kind
 
     def _min_num_blocks(self) -> int:
         """A cache of one max_model_len sequence (and the null page): what sizing compiles with."""

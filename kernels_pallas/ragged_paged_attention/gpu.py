@@ -37,8 +37,31 @@ from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
 from kernels_pallas.registry import register_backend
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+# Threads per block on every CUDA GPU: num_warps * 32 may not exceed it (a larger block
+# compiles but can never launch).
+MAX_THREADS_PER_BLOCK = 1024
+
+
+def check_tuning(*, block_q: int, pages_per_block: int,
+                 num_warps: int, num_stages: int) -> None:
+    """ValueError unless the tuning makes a kernel that can compile and launch.
+
+    Tiles need no minimum size: Triton lowers dots of any power-of-two shape (1 q row x 8
+    keys and 4 x 4 compile for H100 / H200). Whether a tuning fits the shared memory and its
+    registers without spills is the compiler's to say, per GPU and shape:
+    scripts/gpu_tunings.py prints it for each tuning."""
+    if block_q & (block_q - 1) or pages_per_block & (pages_per_block - 1):
+        raise ValueError(f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must "
+                         "be powers of two (Triton tile sizes)")
+    if num_warps < 1 or num_warps & (num_warps - 1) or 32 * num_warps > MAX_THREADS_PER_BLOCK:
+        raise ValueError(f"num_warps must be a power of two with 32 * num_warps <= "
+                         f"{MAX_THREADS_PER_BLOCK} threads per block, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
 def work_items(
@@ -140,7 +163,7 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale", "block_q",
-    "pages_per_block", "num_warps", "num_stages", "interpret"))
+    "pages_per_block", "num_warps", "num_stages", "interpret", "check"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -160,10 +183,12 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    check: bool = True,
 ) -> jax.Array:
     """Same contract as the reference. Tuning: `block_q` query tokens per program (default:
     enough for a 32-row tile), `pages_per_block` pages per step (default: 64 keys),
-    `num_warps` / `num_stages` for Triton. head_dim and page_size must be powers of two."""
+    `num_warps` / `num_stages` for Triton (`check_tuning` says which compile; `check=False`
+    skips it, to ask the compiler itself). head_dim and page_size must be powers of two."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_slots, _ = kv_pages.shape
     num_kv_heads = num_kv_slots // 2
@@ -172,16 +197,12 @@ def ragged_paged_attention(
         if size & (size - 1):
             raise ValueError(f"the gpu backend needs a power-of-two {name}, got {size}; "
                              "use backend='reference'")
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     block_q = block_q or max(1, 32 // group_pad)
     pages_per_block = pages_per_block or max(1, 64 // page_size)
-    if block_q & (block_q - 1) or pages_per_block & (pages_per_block - 1):
-        raise ValueError(f"block_q ({block_q}) and pages_per_block ({pages_per_block}) must "
-                         "be powers of two (Triton tile sizes)")
-    if not interpret and min(block_q * group_pad, pages_per_block * page_size) < 16:
-        # Triton's tensor-core dot needs every matmul dimension >= 16.
-        raise ValueError(f"tiles of {block_q * group_pad} q rows x {pages_per_block * page_size} "
-                         "keys are too small for Triton dots: raise block_q / pages_per_block")
+    if check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
+        check_tuning(block_q=block_q, pages_per_block=pages_per_block,
+                     num_warps=num_warps, num_stages=num_stages)
 
     seq, q_start, q_end, kv_len = work_items(cu_q_lens, kv_lens, num_seqs,
                                              num_tokens=num_tokens, block_q=block_q)

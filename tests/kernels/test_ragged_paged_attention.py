@@ -165,3 +165,36 @@ def test_scaled_fp8_kv_write_stores_bits_of_k_over_k_scale(backend: str) -> None
     rows = np.asarray(values.astype(jnp.float32))[1, :5]
     np.testing.assert_allclose(rows[:, 0::2], k / 2.0, rtol=0.07, atol=1e-2)
     np.testing.assert_allclose(rows[:, 1::2], v / 0.5, rtol=0.07, atol=1e-2)
+
+
+# Tunings of the gpu kernel that compile for H100 / H200 at these head shapes
+# (docs/gpu_tunings.md): the smallest tiles, the default, the widest warps and stages.
+GPU_TUNINGS = [dict(block_q=1, pages_per_block=1), dict(block_q=2, pages_per_block=1),
+               dict(block_q=8, pages_per_block=4), dict(block_q=8, pages_per_block=8, num_warps=8,
+                                                        num_stages=3),
+               dict(block_q=16, pages_per_block=8, num_warps=8), dict(block_q=32, pages_per_block=2)]
+
+
+@pytest.mark.parametrize("tuning", GPU_TUNINGS, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+def test_gpu_tunings_that_compile_are_correct(tuning) -> None:
+    from kernels_pallas.ragged_paged_attention import gpu
+
+    gpu.check_tuning(**{"num_warps": 4, "num_stages": 2, **tuning})  # the guard accepts it
+    batch = make_batch(_cases(16)["mixed"] + _cases(16)["chunked_prefill"], num_q_heads=8,
+                       num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16, seed=11)
+    got = kernels_pallas.ragged_paged_attention(*batch.args, sm_scale=128 ** -0.5, backend="gpu",
+                                                interpret=True, **tuning)
+    want = _reference_jit()(*batch.args, sm_scale=128 ** -0.5)
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n],
+                               **tolerance(BF16))
+
+
+def test_gpu_guard_bounds_warps_and_keeps_small_tiles() -> None:
+    from kernels_pallas.ragged_paged_attention import gpu
+
+    with pytest.raises(ValueError, match="32 \\* num_warps <= 1024"):
+        gpu.check_tuning(block_q=8, pages_per_block=4, num_warps=64, num_stages=2)
+    with pytest.raises(ValueError, match="powers of two"):
+        gpu.check_tuning(block_q=3, pages_per_block=4, num_warps=4, num_stages=2)
+    gpu.check_tuning(block_q=1, pages_per_block=1, num_warps=4, num_stages=2)  # compiles: kept

@@ -1,0 +1,197 @@
+"""Compile, not export, for real TPUs and GPUs, on a machine with neither.
+
+libtpu's compile-only TPU topologies and the CUDA plugin's compile-only devices (from XLA's
+target specs, jaxserve/worker/gpu_targets/) run the device compilers themselves: Mosaic for the
+TPU kernels, Triton and ptxas for the GPU ones, XLA's TPU / GPU pipelines for the rest. Every
+program the engine runs (jaxserve/worker/programs.py: each forward bucket, every sampler mode
+and bucket, the verification sampler, the prompt-logprob and grammar variants) must compile
+with the platform's own kernel, update the KV cache in place (aliased, never copied or
+relaid out), and, on GPUs, spill no registers. The engine configs here are small (few buckets:
+compile time is CPU time in CI); the program table is the one any config has.
+
+Needs the preflight extra (`pip install -e '.[preflight]'`, which scripts/test.sh installs);
+without it these tests skip, unless JAXSERVE_REQUIRE_DEVICE_COMPILE=1 (CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.worker.targets import parse_target
+
+_MISSING = [m for m in ("libtpu", "jax_plugins.xla_cuda12") if importlib.util.find_spec(m) is None]
+if _MISSING and os.environ.get("JAXSERVE_REQUIRE_DEVICE_COMPILE") == "1":
+    raise RuntimeError(f"device-compile tests need {', '.join(_MISSING)}: "
+                       "pip install -e '.[preflight]'")
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason="needs pip install -e '.[preflight]'")
+
+# Few buckets: T in {16, 32}, R in {1, 2} (the table is the same at any size).
+SMALL = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "2048"]
+RESULTS = os.environ.get("JAXSERVE_DEVICE_COMPILE_RESULTS")  # a JSON-lines file, if set
+
+
+def _preflight(target: str, *flags: str) -> SimpleNamespace:
+    """`python -m jaxserve.preflight --json` as a user runs it: one process per target (libtpu
+    keeps per-process state, and a compiler crash must not take the test run with it)."""
+    cmd = [sys.executable, "-m", "jaxserve.preflight", "--target", target, "--json",
+           "--compile-threads", "2", *SMALL, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode in (0, 1), f"{' '.join(cmd)}: rc {proc.returncode}\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout)
+    assert report["ok"] == (proc.returncode == 0)
+    if RESULTS:
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps({"flags": flags, **report}) + "\n")
+    programs = [SimpleNamespace(**p) for p in report.pop("programs")]
+    memory = SimpleNamespace(**report.pop("memory")) if report["memory"] else None
+    return SimpleNamespace(**{**report, "programs": programs, "memory": memory})
+
+
+def _assert_clean(report) -> None:
+    assert report.memory is not None, report.error
+    bad = [f"{p.name}: {p.error}" for p in report.programs if p.error]
+    assert not bad, "\n".join(bad)
+    assert report.ok, report.error
+    forwards = [p for p in report.programs if p.kind == "forward"]
+    assert forwards and all(p.alias_bytes >= report.memory.kv_cache_bytes for p in forwards)
+
+
+SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+
+
+@pytest.mark.parametrize("target,flags", [
+    ("v5e:1x1", []), ("v6e:1x1", SPEC), ("tpu7x:1x1", []), ("v5e:2x2", ["-tp", "4"]),
+    ("h100", []), ("h200", SPEC), ("h100", ["-tp", "2"]),
+], ids=lambda v: v if isinstance(v, str) else "-".join(v[:2]).replace("--", "") or "bf16")
+def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
+    """The default model (bf16, the platform's own attention kernel), every program: with
+    speculative decoding on one TPU and one GPU (the verification sampler's programs too)."""
+    report = _preflight(target, *flags)
+    _assert_clean(report)
+    kinds = {p.kind for p in report.programs}
+    assert kinds == {"forward", "sample", "prompt_logprobs", "admit"} | (
+        {"verify"} if flags == SPEC else set())
+    assert any(not p.at_warm_up for p in report.programs)  # grammar, prompt-logprob variants
+    assert report.settings["attention_backend"] == ("tpu" if target[0] in "vt" else "gpu")
+    assert report.memory.num_pages > 1 and report.compile_s["total"] > 0
+
+
+@pytest.mark.parametrize("target", ["v6e:1x1", "h200"])
+@pytest.mark.parametrize("variant", [
+    ["--kv-cache-dtype", "fp8", "--programs", "forward"],
+    ["--quantization", "int8", "--programs", "forward,sample"],
+], ids=["fp8-kv", "int8"])
+def test_variants_users_pick_compile(target: str, variant: list[str]) -> None:
+    """An fp8 KV cache changes the forward; int8 weights the forward and the samplers'
+    LM head."""
+    _assert_clean(_preflight(target, "--only-warm-up", *variant))
+
+
+@pytest.fixture(scope="module")
+def sliding_window_model(tmp_path_factory) -> str:
+    """A Mistral-shaped config.json with a sliding window (no weights: preflight needs none)."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("mistral"))
+    transformers.MistralConfig(architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                               head_dim=64, sliding_window=256,
+                               max_position_embeddings=4096).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "h100"])
+def test_sliding_window_model_compiles(target: str, sliding_window_model: str) -> None:
+    report = _preflight(target, "--model", sliding_window_model, "--programs", "forward",
+                        "--only-warm-up")
+    _assert_clean(report)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory) -> str:
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("llama3-8b"))
+    transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        max_position_embeddings=8192, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ).save_pretrained(path)
+    return path
+
+
+def test_llama3_8b_on_one_v5e_is_refused_before_compiling(llama3_8b: str) -> None:
+    report = _preflight("v5e:1x1", "--model", llama3_8b)
+    assert not report.ok and not report.programs  # nothing compiled
+    assert report.error.startswith("kv_cache_manager: no room for a KV cache on TPU v5 lite")
+    for knob in ("--tensor-parallel-size", "--quantization", "--max-model-len",
+                 "--gpu-memory-utilization"):
+        assert knob in report.error
+    assert "14.96 GiB per device" in report.error  # 8.03B bf16 weights
+
+
+def test_llama3_8b_with_tensor_parallelism_fits_v5e_2x2(llama3_8b: str) -> None:
+    """Sized from the compiler, weights a quarter per device; the forward compiles with the
+    TPU kernel under shard_map over 4 chips, the cache in place."""
+    report = _preflight("v5e:2x2", "--model", llama3_8b, "-tp", "4", "--programs", "forward",
+                        "--only-warm-up")
+    _assert_clean(report)
+    m = report.memory
+    assert 3.7 * 2**30 < m.weight_bytes < 3.9 * 2**30
+    assert m.max_concurrent_seqs >= 1 and m.kv_bytes_per_token == 32 * 2 * 2 * 128 * 2  # 2 of 8 heads
+
+
+def test_attention_kernels_compile_per_generation() -> None:
+    """The TPU kernel and KV write, alone, over the packed cache, for every generation, value
+    type and option (soft cap has no model here yet), at Llama-3-8B and default-model head
+    shapes: compiled with no copy of the cache and the cache aliased."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import kernels_pallas
+    from jaxserve.worker.programs import Program, compile_program
+    from jaxserve.worker.targets import make_devices
+
+    failures = []
+    for gen in ("v5e:1x1", "v6e:1x1", "tpu7x:1x1"):
+        mesh = Mesh(np.array(make_devices(parse_target(gen), 1)), ("x",))
+        rep = NamedSharding(mesh, PartitionSpec())
+        for (hq, hkv, d), dtype, opts in [
+            ((32, 8, 128), "bfloat16", {}), ((32, 8, 128), "fp8", {"soft_cap": 30.0}),
+            ((9, 3, 64), "bfloat16", {"sliding_window": 64}), ((9, 3, 64), "fp8_e5m2", {}),
+            ((8, 1, 128), "float32", {"soft_cap": 50.0, "sliding_window": 100}),
+        ]:
+            layout = kernels_pallas.kv_cache_layout(hkv, d, dtype, platform="tpu")
+
+            def step(cache, q, k, v, slots, kv_lens, pages, cu, n, layout=layout, opts=opts):
+                cache = kernels_pallas.update_kv_cache(cache, k, v, slots, backend="tpu",
+                                                       layout=layout)
+                return kernels_pallas.ragged_paged_attention(
+                    q, cache, kv_lens, pages, cu, n, sm_scale=d ** -0.5, backend="tpu",
+                    layout=layout, **opts), cache
+
+            a = lambda s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=rep)  # noqa: E731
+            bf = jnp.bfloat16 if dtype != "float32" else jnp.float32
+            cache = a(layout.cache_shape(1024, 16), layout.storage_dtype)
+            args = (cache, a((64, hq, d), bf), a((64, hkv, d), bf), a((64, hkv, d), bf),
+                    a((64,)), a((16,)), a((16, 64)), a((17,)), a((1,)))
+            fn = jax.jit(step, donate_argnums=0)
+            try:
+                c, _ = compile_program(Program(f"{gen} {dtype} {opts}", "forward", fn, args,
+                                               mesh, cache_arg=0))
+                failures += [f"{c.name}: {p}" for p in c.problems()]
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{gen} {dtype} {opts}: {' '.join(str(e).split())[:300]}")
+    assert not failures, "\n".join(failures)

@@ -80,14 +80,15 @@ class MemoryPlan:
 
 
 def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight_bytes: int,
-                      state_bytes: int) -> None:
+                      state_bytes: int, bytes_per_token: int) -> None:
     """Refuse, before anything compiles, a model whose weights alone do not fit."""
     usable = int(memory_bytes * utilization)
     if weight_bytes + state_bytes >= usable:
         raise InsufficientMemoryError(
             f"kv_cache_manager: no room for a KV cache on {device}: the weights take "
             f"{fmt_bytes(weight_bytes)} per device (+ {fmt_bytes(state_bytes)} sampler state) "
-            f"of {fmt_bytes(usable)} usable ({utilization:g} x {fmt_bytes(memory_bytes)}). "
+            f"of {fmt_bytes(usable)} usable ({utilization:g} x {fmt_bytes(memory_bytes)}), "
+            f"before activations and a cache of {fmt_bytes(bytes_per_token)} per token. "
             f"Try {KNOBS}.")
 
 
@@ -98,7 +99,8 @@ def plan_kv_cache(
 ) -> MemoryPlan:
     """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked), or
     InsufficientMemoryError when not one max_model_len sequence fits."""
-    check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes)
+    check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes,
+                      page_bytes // page_size)
     room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
     if kv_cache_memory_bytes is not None:
         room = kv_cache_memory_bytes

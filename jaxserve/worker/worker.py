@@ -234,8 +234,9 @@ class Worker:
         weights = max(per_device_bytes(st.params) for st in self.stages)
         probe = self.make_runner(self._min_num_blocks(), abstract=True)
         state = per_device_bytes(probe.state_bytes())
-        check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state)
         page_bytes, budget = self.page_bytes(), cc.kv_cache_memory_bytes
+        check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state,
+                          page_bytes // cc.block_size)
         if cc.num_gpu_blocks_override is not None:  # the pages are given: nothing to measure
             activations, budget = 0, cc.num_gpu_blocks_override * page_bytes
         else:

@@ -138,6 +138,7 @@ def test_llama3_8b_on_one_v5e_is_refused_before_compiling(llama3_8b: str) -> Non
                  "--gpu-memory-utilization"):
         assert knob in report.error
     assert "14.96 GiB per device" in report.error  # 8.03B bf16 weights
+    assert "a cache of 128.00 KiB per token" in report.error
 
 
 def test_llama3_8b_with_tensor_parallelism_fits_v5e_2x2(llama3_8b: str) -> None:

@@ -18,7 +18,7 @@ def test_pages_are_what_is_left_after_weights_state_and_activations() -> None:
     assert plan.num_pages == left // (16 * 128 * 1024)
     assert plan.max_concurrent_seqs == (plan.num_pages - 1) // 512
     assert "TPU v6 lite: 32.00 GiB x 0.9 = 28.80 GiB usable" in plan.summary()
-    assert plan_kv_cache(**{**FIGURES, "kv_cache_memory_bytes": GiB}).num_pages == 512
+    assert plan_kv_cache(**{**FIGURES, "kv_cache_memory_bytes": 2 * GiB}).num_pages == 1024
 
 
 def test_weights_that_do_not_fit_are_refused_naming_the_box_and_knobs() -> None:

@@ -146,7 +146,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="only these kinds of programs, comma-separated (forward, sample, "
                         "verify, prompt_logprobs, admit); default: all")
     g.add_argument("--compile-threads", type=int, default=None,
-                   help="compiles at once (default: one per CPU core, at most 4)")
+                   help="GPU targets: compiles at once (default: one per CPU core, at most 4); "
+                        "TPU programs always compile one at a time")
     return p
 
 
@@ -169,8 +170,8 @@ def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: 
                   threads: int | None = None, kinds: tuple[str, ...] | None = None
                   ) -> PreflightReport:
     """Size the cache and compile every program for `target` (the JAX part); `threads`
-    compiles at once (default: one per CPU core, at most 4); `kinds` keeps only programs of
-    those kinds ("forward", "sample", ...)."""
+    compiles at once for a GPU (default: one per CPU core, at most 4); `kinds` keeps only
+    programs of those kinds ("forward", "sample", ...)."""
     import jax
     from jax._src import compilation_cache  # JAX decides once per process whether it caches
 
@@ -211,7 +212,9 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
             "block_size": cc.block_size})
     options = GPU_COMPILER_OPTIONS if target.platform == "cuda" else None
-    threads = threads or min(4, os.cpu_count() or 1)
+    # NOTE: TPU programs compile one at a time: libtpu 0.0.42.1's SparseCore code generator
+    # (v6e, tpu7x) overflowed its fibers' stacks with two compiles at once (never alone).
+    threads = 1 if target.platform == "tpu" else (threads or min(4, os.cpu_count() or 1))
     try:
         report.memory = worker.plan_memory(target.memory_bytes, devices[0].device_kind, options)
     except InsufficientMemoryError as e:

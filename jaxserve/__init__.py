@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.platforms import select_jax_platforms
+
+select_jax_platforms()  # before anything imports JAX: no accelerator here means the CPU
+
+from jaxserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from jaxserve.llm import LLM

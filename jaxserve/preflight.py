@@ -172,19 +172,10 @@ def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: 
     """Size the cache and compile every program for `target` (the JAX part); `threads`
     compiles at once for a GPU (default: one per CPU core, at most 4); `kinds` keeps only
     programs of those kinds ("forward", "sample", ...)."""
-    import jax
-    from jax._src import compilation_cache  # JAX decides once per process whether it caches
+    from jaxserve.worker.programs import without_persistent_cache
 
-    # Compile-only executables cannot be loaded back from JAX's persistent cache: keep them
-    # out of it (and out of the user's disk), then give the process its cache back.
-    cache_was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
+    with without_persistent_cache():
         return _run(config, target, files, on_first_use, threads, kinds)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
-        compilation_cache.reset_cache()
 
 
 def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,

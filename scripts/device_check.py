@@ -58,7 +58,8 @@ def check_kernels(backend: str, interpret: bool) -> list[dict]:
     """The backend's attention and KV write on the device against the reference."""
     rows = []
     ref = jax.jit(kernels_pallas.ragged_paged_attention,
-                  static_argnames=("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale"))
+                  static_argnames=("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale",
+                                   "layout"))
     packed = kernels_pallas.get_backend(backend).packed_layout
     for (hq, hkv), d, page, dtype, opts in KERNEL_CASES:
         b = make_batch(SEQS, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, seed=hkv)
@@ -73,7 +74,7 @@ def check_kernels(backend: str, interpret: bool) -> list[dict]:
         fn = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(
             *a, backend=backend, interpret=interpret, layout=layout, **kw))
         got = fn(q, cache, *b.args[2:])
-        want = ref(q, values, *b.args[2:], **kw)
+        want = ref(q, stored, *b.args[2:], layout=std, **kw)  # the reference backend
         n = b.num_real_tokens
         err = float(jnp.max(jnp.abs(got[:n].astype(jnp.float32) - want[:n].astype(jnp.float32))))
         ok = bool(jnp.isfinite(got[:n].astype(jnp.float32)).all()) and np.allclose(

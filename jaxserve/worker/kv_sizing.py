@@ -95,10 +95,10 @@ def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight
 def plan_kv_cache(
     *, device: str, memory_bytes: int, utilization: float, weight_bytes: int, state_bytes: int,
     activation_bytes: int, page_bytes: int, page_size: int, max_model_len: int,
-    kv_cache_memory_bytes: int | None = None,
+    kv_cache_memory_bytes: int | None = None, given_by: str | None = None,
 ) -> MemoryPlan:
-    """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked), or
-    InsufficientMemoryError when not one max_model_len sequence fits."""
+    """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked with the
+    flag `given_by`), or InsufficientMemoryError when not one max_model_len sequence fits."""
     check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes,
                       page_bytes // page_size)
     room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
@@ -110,6 +110,12 @@ def plan_kv_cache(
     need = plan.pages_per_seq + 1
     if plan.num_pages < need:
         fits = max(plan.num_pages - 1, 0) * page_size
+        if given_by is not None:
+            raise InsufficientMemoryError(
+                f"kv_cache_manager: {given_by} gives the KV cache {plan.num_pages} pages of "
+                f"{page_size} tokens, but one request of max_model_len={max_model_len} needs "
+                f"{need}; the largest max_model_len that fits is {fits}. Raise {given_by.split()[0]} "
+                f"or lower --max-model-len.")
         raise InsufficientMemoryError(
             f"kv_cache_manager: the KV cache has room for {plan.num_pages} pages of {page_size} "
             f"tokens on {device}, but one request of max_model_len={max_model_len} needs "

@@ -17,11 +17,12 @@ and whether the program copies the KV cache (a relayout into a kernel's layout s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,23 @@ def count_cache_copies(hlo: str, cache: Any) -> int:
     shape = re.escape(_local_shape_text(cache))
     pattern = re.compile(r"=\s*\w+" + shape + r"\{[^}]*\}\s+copy(-start)?\(")
     return len(pattern.findall(hlo))
+
+
+@contextlib.contextmanager
+def without_persistent_cache() -> Iterator[None]:
+    """Compile-only executables cannot be loaded back from JAX's persistent cache: keep them
+    out of it (and off the user's disk) inside the block, then give the process its cache
+    back. JAX decides once per process whether it caches, hence the resets."""
+    from jax._src import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 def compile_program(program: Program, compiler_options: dict[str, Any] | None = None

@@ -235,10 +235,12 @@ class Worker:
         probe = self.make_runner(self._min_num_blocks(), abstract=True)
         state = per_device_bytes(probe.state_bytes())
         page_bytes, budget = self.page_bytes(), cc.kv_cache_memory_bytes
+        given_by = None if budget is None else f"--kv-cache-memory-bytes {budget}"
         check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state,
                           page_bytes // cc.block_size)
         if cc.num_gpu_blocks_override is not None:  # the pages are given: nothing to measure
             activations, budget = 0, cc.num_gpu_blocks_override * page_bytes
+            given_by = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
         else:
             self.sizing_programs = [compile_program(p, compiler_options)[0]
                                     for p in sizing_programs(probe.programs())]
@@ -247,7 +249,7 @@ class Worker:
             device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
             weight_bytes=weights, state_bytes=state, activation_bytes=activations,
             page_bytes=page_bytes, page_size=cc.block_size, max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=budget)
+            kv_cache_memory_bytes=budget, given_by=given_by)
 
     def device_memory(self) -> tuple[int, str]:
         """(bytes the runtime lets the engine use, device kind) of the first device."""

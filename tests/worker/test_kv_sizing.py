@@ -37,6 +37,16 @@ def test_a_cache_smaller_than_one_sequence_is_refused_with_the_largest_that_fits
     assert "128.00 KiB per token" in str(e.value) and "activations 9.00 GiB" in str(e.value)
 
 
+def test_pages_the_user_gave_are_refused_naming_their_flag() -> None:
+    with pytest.raises(InsufficientMemoryError) as e:
+        plan_kv_cache(**{**FIGURES, "kv_cache_memory_bytes": 512 * 16 * 128 * 1024,
+                         "given_by": "--num-gpu-blocks-override 512"})
+    assert str(e.value) == (
+        "kv_cache_manager: --num-gpu-blocks-override 512 gives the KV cache 512 pages of 16 "
+        "tokens, but one request of max_model_len=8192 needs 513; the largest max_model_len "
+        "that fits is 8176. Raise --num-gpu-blocks-override or lower --max-model-len.")
+
+
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory):
     from jaxserve.config import make_engine_config

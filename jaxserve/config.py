@@ -233,14 +233,14 @@ class EngineConfig:
     # name. attention_interpret runs Pallas variants in interpret mode on any platform.
     attention_backend: str = "auto"
     attention_interpret: bool = False
-    # Per-request traces box by box (jaxserve.tracing); cheap enough to leave on.
+    # Per-request traces box by box (jaxserve.request_trace); cheap enough to leave on.
     request_tracing: bool = True
     speculative_config: SpeculativeConfig | None = None
 
     @property
     def num_microbatches(self) -> int:
         """Steps in flight with requests of their own: with pipeline stages, async
-        scheduling runs as pp microbatches (engine.py), so that the stages overlap."""
+        scheduling runs as pp microbatches (engine/build.py), so that the stages overlap."""
         pp = self.parallel_config.pipeline_parallel_size
         return pp if pp > 1 and self.scheduler_config.async_scheduling else 1
 

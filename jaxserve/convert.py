@@ -20,10 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
 
-    from jaxserve.model_files import resolve_model
+    from jaxserve.models.model_files import resolve_model
     from jaxserve.models.loaders import load_checkpoint
     from jaxserve.models.loaders.orbax_loader import save_orbax
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
     files = resolve_model(args.model)

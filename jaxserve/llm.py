@@ -15,13 +15,13 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxserve.config import make_engine_config
-from jaxserve.engine import build_engine_core, run_follower_process
+from jaxserve.engine.build import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
-from jaxserve.model_files import generation_defaults, model_eos_token_ids, resolve_model
-from jaxserve.output_processor import OutputProcessor
+from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.models.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
 

@@ -69,7 +69,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    # Box by box (jaxserve.tracing.RequestTrace; None with tracing off): `trace.to_dict()`.
+    # Box by box (jaxserve.request_trace.RequestTrace; None with tracing off): `trace.to_dict()`.
     trace: Any = None
 
     @property

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from jaxserve.model_files import ModelFiles, resolve_model
+from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.serve import engine_config_from_args, make_arg_parser
 from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
 from jaxserve.worker.targets import Target, parse_target, supported_targets

@@ -19,7 +19,7 @@ import sys
 from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, SchedulingPolicy, make_engine_config
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
-from jaxserve.model_files import resolve_model
+from jaxserve.models.model_files import resolve_model
 
 
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -228,7 +228,7 @@ def follow(config: EngineConfig, process_id: int, num_processes: int) -> int:
                         datefmt="%H:%M:%S")
     logging.getLogger("jaxserve").info("process %d of %d: following process 0 (which serves the API)",
                                        process_id, num_processes)
-    from jaxserve.engine import run_follower_process  # imports JAX: this process is a worker
+    from jaxserve.engine.build import run_follower_process  # imports JAX: this process is a worker
 
     run_follower_process(config)
     return 0

@@ -59,10 +59,10 @@ def run_once(tracing: bool, port: int, args: argparse.Namespace) -> dict:
 
 def micro(batch: int = 64, steps: int = 2000) -> None:
     """Median time of one decode step's tracing work for `batch` requests, with and without."""
-    from jaxserve.engine_core.outputs import EngineCoreOutput
+    from jaxserve.engine_core.core_outputs import EngineCoreOutput
     from jaxserve.engine_core.sched_output import CachedRequestData, SchedulerOutput
-    from jaxserve.engine_core.tracing import StepTrace, StepTracer
-    from jaxserve.tracing import RequestTrace
+    from jaxserve.engine_core.step_trace import StepTrace, StepTracer
+    from jaxserve.request_trace import RequestTrace
 
     ids = [f"cmpl-{i:032x}-0" for i in range(batch)]
     tracer = StepTracer(16)

@@ -26,7 +26,7 @@ def hf_default_model():
     import torch
     import transformers
 
-    from jaxserve.model_files import default_model_path
+    from jaxserve.models.model_files import default_model_path
 
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,7 +1,8 @@
-"""The dependency rules of DESIGN.md, checked on the source.
+"""The dependency rules of docs/architecture.md, checked on the source.
 
-- The engine core, the API server and the shared host-side modules (configs,
-  sampling params, user-facing outputs) never import JAX, jaxlib or Flax.
+- The engine core, the API server, the engine's host side (messages, core clients, output
+  processor), a model's files and tokenizer, and the shared host-side modules (configs,
+  sampling params, user-facing outputs and traces) never import JAX, jaxlib or Flax.
 - The engine core never imports the worker or the models: it reaches them only
   through SchedulerOutput / ModelRunnerOutput.
 - kernels_pallas never imports jaxserve.
@@ -21,21 +22,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_processor"]
 JAX_FREE = [
     "jaxserve/engine_core",
     "jaxserve/api_server",
+    *(f"jaxserve/engine/{m}.py" for m in HOST_SIDE_ENGINE),
+    "jaxserve/models/model_files.py",
+    "jaxserve/models/tokenizer.py",
     "jaxserve/config.py",
     "jaxserve/sampling_params.py",
     "jaxserve/outputs.py",
+    "jaxserve/request_trace.py",
+    "jaxserve/serve.py",
 ]
 JAX_PACKAGES = {"jax", "jaxlib", "flax"}
 ENGINE_CORE_FORBIDDEN = ("jaxserve.worker", "jaxserve.models")
 # Importing these must not pull JAX in transitively.
 JAX_FREE_IMPORTS = [
     "jaxserve.engine_core",
+    "jaxserve.api_server.server",
+    *(f"jaxserve.engine.{m}" for m in HOST_SIDE_ENGINE[1:]),
+    "jaxserve.models.tokenizer",
     "jaxserve.config",
     "jaxserve.sampling_params",
     "jaxserve.outputs",
+    "jaxserve.serve",
 ]
 
 

@@ -1,4 +1,4 @@
-"""/debug: the map of boxes, live (DESIGN.md "Tracing: the map, live").
+"""/debug: the map of boxes, live (docs/architecture.md, "The request path").
 
     GET /debug                  the page: boxes with live counters, a request's waterfall
     GET /debug/stats            the live counters per box (what the page draws)
@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from jaxserve.api_server.diagnose import diagnose
+from jaxserve.api_server.symptoms import diagnose
 from jaxserve.api_server.serving import ServingContext, error_response
 
 PAGE = os.path.join(os.path.dirname(__file__), "static", "debug.html")

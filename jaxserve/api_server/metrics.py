@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
 
 PREFIX = "jaxserve:"

@@ -13,7 +13,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxserve.tracing import RequestTrace
+from jaxserve.request_trace import RequestTrace
 
 logger = logging.getLogger("jaxserve.api_server")
 

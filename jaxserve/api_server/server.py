@@ -19,17 +19,17 @@ from typing import Any
 import uvicorn
 
 from jaxserve.api_server.app import build_app
-from jaxserve.api_server.diagnose import ServerFacts
-from jaxserve.api_server.dp_client import DPEngineClient
-from jaxserve.api_server.engine_client import EngineClient, EngineStartupError
+from jaxserve.api_server.symptoms import ServerFacts
+from jaxserve.engine.dp_client import DPEngineClient
+from jaxserve.engine.core_client import EngineClient, EngineStartupError
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.api_server.serving import ServingContext
 from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.config import EngineConfig
-from jaxserve.engine_messages import new_ipc_addresses
-from jaxserve.engine_process import launch_engine_core
-from jaxserve.model_files import generation_defaults, model_eos_token_ids, resolve_model
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.engine.messages import new_ipc_addresses
+from jaxserve.engine.core_process import launch_engine_core
+from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
+from jaxserve.models.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve.api_server")
 

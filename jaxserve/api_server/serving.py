@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 
 from jaxserve.api_server.chat_tools import template_message
-from jaxserve.api_server.diagnose import ServerFacts
-from jaxserve.api_server.dp_client import DPEngineClient
-from jaxserve.api_server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+from jaxserve.api_server.symptoms import ServerFacts
+from jaxserve.engine.dp_client import DPEngineClient
+from jaxserve.engine.core_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import (
     ChatMessage,
     ErrorInfo,
@@ -38,7 +38,7 @@ from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tracing import RequestTrace
+from jaxserve.request_trace import RequestTrace
 
 T = TypeVar("T")
 logger = logging.getLogger("jaxserve.api_server")

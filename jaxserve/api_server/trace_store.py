@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.tracing import RequestTrace
+from jaxserve.request_trace import RequestTrace
 
 DEFAULT_CAPACITY = 256
 

@@ -13,7 +13,7 @@ from jaxserve.engine_core.model_runner_output import (
     LogprobsLists,
     ModelRunnerOutput,
 )
-from jaxserve.engine_core.outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler

@@ -18,12 +18,12 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from jaxserve.engine_core.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.tracing import StepTrace, StepTracer
+from jaxserve.engine_core.step_trace import StepTrace, StepTracer
 
 
 class ModelRunnerOutputHandle(Protocol):
@@ -46,8 +46,8 @@ class AsyncWorker(Protocol):
 def freeze_gc_heap() -> None:
     """Move every object alive now (KV pages, compiled programs, weights'
     metadata) out of the garbage collector's reach. Otherwise each full
-    collection walks tens of thousands of start-up objects: 20 ms pauses at
-    1,024 running requests (scripts/bench_scheduler.py). vLLM's engine core
+    collection walks tens of thousands of start-up objects, a pause felt at
+    a thousand running requests (scripts/bench_scheduler.py). vLLM's engine core
     does the same at start-up. Frozen cyclic garbage is never freed."""
     gc.collect()
     gc.freeze()

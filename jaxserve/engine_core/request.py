@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from jaxserve.engine_core.kv_cache_utils import BlockHash
 from jaxserve.engine_core.model_runner_output import LogprobsLists
-from jaxserve.engine_core.outputs import EngineCoreEvent, EngineCoreEventType
+from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType
 from jaxserve.outputs import FinishReason
 from jaxserve.sampling_params import SamplingParams
 

@@ -36,7 +36,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
-from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue, select_victim
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput

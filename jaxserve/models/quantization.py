@@ -7,21 +7,19 @@
     y = x @ (qweight * scale per group).T
 
 A group of 64 costs nothing in speed (the scaling fuses into the same convert) and
-1/16 more memory; on the default model it lifts teacher-forced top-1 agreement with
-float32 from 96.5% (one scale per output channel) to 98.4%. An input dimension that
-64 does not divide gets one scale per output channel.
+1/16 more memory, and agrees with float32 more often than one scale per output channel
+(docs/benchmarks.md, "Figures behind choices in the code"). An input dimension that 64
+does not divide gets one scale per output channel.
 
 Any checkpoint is quantized at load on the host, so every format and platform gets
 it: by the loaders one tensor at a time (`build_params`), or, when tensor parallelism
 must first pad or replicate heads on float weights, by `quantize_params` afterwards.
 The layout is PyTorch's `[out, in]`, not Flax's `[in, out]`: contiguous int8 rows are what
-both XLA's CPU matrix-vector product (11.9 ms for the default model's layers at one token
-against 17.5 ms for `[in, out]`) and the CPU kernel read best. Embedding rows are quantized
+both XLA's CPU matrix-vector product and the CPU kernel read best (measured: same section). Embedding rows are quantized
 the same way, so a tied LM head (`attend`) uses them as its output channels.
 
 The matmul: up to 32 tokens on the CPU, `kernels_pallas.int8_matmul`'s C++ kernel (int8
-read once, converted in registers; the default model's 30 layers and LM head at one token
-in 6.9 ms against 14.2 ms through XLA); otherwise, and on GPU/TPU, XLA's
+read once, converted in registers); otherwise, and on GPU/TPU, XLA's
 dequantize-then-dot. Inside the layer scan the int8 weights stay whole (INT8_LAYERS).
 """
 
@@ -87,18 +85,17 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
 
 # The layer scan's int8 weights are a collection of their own, broadcast whole into the scan
 # (`nn.scan(variable_broadcast=INT8_LAYERS)`) rather than sliced per layer: XLA copies a
-# scanned slice before a custom call can read it (106 MB a step for the default model), and
+# scanned slice before a custom call can read it (the whole layer's weights, every step), and
 # the CPU kernel takes the stack and the layer index instead. The stored param tree keeps
 # them under "params" like every other leaf; `model_variables` moves them for `apply`.
 INT8_LAYERS = "int8_layers"
 
 # XLA's CPU backend dequantizes a matmul's weights into a temporary before the product: a
-# temporary that stays in cache costs little, one of 100 MB (the default model's 49152 x 576
-# LM head in float32) costs 44 ms a step against 3.8 ms for float32 weights. So on the CPU a
-# matrix over CHUNK_ABOVE elements is multiplied in chunks of output rows of at most
-# CHUNK_ELEMENTS, in a loop (LM head: 2.5 ms at one token against 3.2 ms in float32, and
-# equal at 64; chunks of 2^19 took 5.7 ms). Layer matrices (at most 1 M elements here) are
-# not chunked: chunking them doubled a decode step. Measured, not derived: XLA CPU's choices.
+# temporary that stays in cache costs little, one the size of an LM head costs more than the
+# float32 matmul itself. So on the CPU a matrix over CHUNK_ABOVE elements is multiplied in
+# chunks of output rows of at most CHUNK_ELEMENTS, in a loop. Layer matrices are not chunked:
+# chunking them doubled a decode step. Measured, not derived (docs/benchmarks.md, "Figures
+# behind choices in the code").
 # Few tokens skip all this: the CPU kernel (kernels_pallas.int8_matmul) reads int8 directly.
 CHUNK_ABOVE = 1 << 22
 CHUNK_ELEMENTS = 1 << 21

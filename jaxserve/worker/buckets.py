@@ -6,9 +6,9 @@ Every step pads its token count up to a bucket (powers of two from 16 up to
 start-up serve every step.
 
 On the CPU the token buckets start at 1: there a step is compute-bound, and a
-single decode padded to 16 tokens costs ~67 ms against ~29 ms at 2 and ~24 ms
-at 1 (default model, measured: XLA's CPU matrix-vector product is its fastest
-matmul). A 1-token step once took seconds: XLA turned the one-row KV scatter
+single decode padded to 16 tokens costs several times one at 1 (XLA's CPU
+matrix-vector product is its fastest matmul; docs/benchmarks.md, "Figures behind
+choices in the code"). A 1-token step once took seconds: XLA turned the one-row KV scatter
 into a dynamic-update-slice that copied the whole cache (see kernels_pallas/kv_cache.py).
 """
 

@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from jaxserve.tokenizer import cache_dir
+from jaxserve.models.tokenizer import cache_dir
 
 
 def enable_compilation_cache(path: str | None = None) -> str:

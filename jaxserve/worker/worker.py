@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
-from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
 from jaxserve.models.llama import kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch

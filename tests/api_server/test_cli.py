@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from jaxserve.models.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 from jaxserve.serve import (
     engine_config_from_args,
     human_readable_int,
@@ -120,7 +120,7 @@ def test_stat_logger_line() -> None:
 def test_generation_defaults_and_chat_template_sources(tmp_path) -> None:
     import json
 
-    from jaxserve.model_files import ModelFiles, ModelFormat, generation_defaults
+    from jaxserve.models.model_files import ModelFiles, ModelFormat, generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_length": 99}))

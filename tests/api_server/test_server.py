@@ -428,7 +428,7 @@ def test_bench_serve_mixed_lengths_and_shared_prefix(server: RemoteServer, tmp_p
 def test_bench_lengths_follow_vllms_range_rule() -> None:
     import numpy as np
 
-    from jaxserve.bench.serve import sample_lengths
+    from jaxserve.bench.online import sample_lengths
 
     lens = sample_lengths(100, 0.25, 2000, np.random.default_rng(0))
     assert lens.min() == 75 and lens.max() == 125

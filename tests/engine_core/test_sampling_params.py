@@ -120,7 +120,7 @@ def test_model_eos_ids_join_stop_token_ids_unless_ignore_eos() -> None:
 def test_model_eos_token_ids_from_config_and_generation_config(tmp_path) -> None:
     import json
 
-    from jaxserve.model_files import ModelFiles, ModelFormat, model_eos_token_ids, resolve_model
+    from jaxserve.models.model_files import ModelFiles, ModelFormat, model_eos_token_ids, resolve_model
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))

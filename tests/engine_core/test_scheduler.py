@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve.config import SchedulingPolicy
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
-from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import RequestStatus
 from jaxserve.outputs import FinishReason
 

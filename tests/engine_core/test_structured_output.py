@@ -10,7 +10,7 @@ import pytest
 from jaxserve.engine_core.request import InvalidRequestError, Request
 from jaxserve.engine_core.structured_output import StructuredOutputManager, grammar_text
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.models.tokenizer import load_tokenizer
 
 
 def allowed(mask: np.ndarray, vocab: int) -> np.ndarray:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.engine_core.core import EngineCore
-from jaxserve.engine_core.outputs import EngineCoreOutput
-from jaxserve.tracing import RequestTrace
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.request_trace import RequestTrace
 
 from .fake_worker import FakeAsyncWorker
 from .helpers import BS, EOS, make_request, make_scheduler
@@ -127,7 +127,7 @@ def test_requests_ending_with_a_step_in_flight_leave_nothing_behind() -> None:
 
 
 def test_queue_time_pairs_each_sequence_with_its_own_admission() -> None:
-    from jaxserve.tracing import RequestTrace
+    from jaxserve.request_trace import RequestTrace
 
     t = RequestTrace("r", received=100.0)
     t.add("engine_core", "queued", 100.0)

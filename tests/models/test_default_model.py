@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.models.tokenizer import load_tokenizer
 from tests.models.forward import prompt_logits
 
 pytestmark = pytest.mark.slow

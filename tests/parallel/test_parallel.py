@@ -89,7 +89,7 @@ def test_head_padding_and_replication_keep_logits(tp: int, tmp_path) -> None:
 def test_orbax_round_trip_restores_sharded_on_tp2(tmp_path) -> None:
     # 4 q / 2 kv heads: TP = 2 needs no padding; the real vocabulary, to use its tokenizer.
     src = save_tiny_hf("llama", str(tmp_path), vocab_size=49152)
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     load_tokenizer(None).save_pretrained(src)  # a tokenizer beside the tiny weights
     dst = str(tmp_path / "orbax")

@@ -26,7 +26,7 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, bloc
 def tiny_model(tmp_path_factory) -> str:
     path = save_tiny_hf("llama", str(tmp_path_factory.mktemp("tiny")), vocab_size=49152,
                         hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     load_tokenizer(None).save_pretrained(path)  # the default model's tokenizer beside it
     return path
@@ -78,7 +78,7 @@ def test_sliding_window_in_engine_matches_transformers(tmp_path, backend: str) -
     import transformers
 
     path = save_tiny_hf("mistral", str(tmp_path), vocab_size=49152, sliding_window=8)
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     load_tokenizer(None).save_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -84,7 +84,7 @@ def test_dummy_weights_serve_from_a_config_json_alone(tmp_path) -> None:
     import transformers
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     transformers.LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=60000, hidden_size=64, intermediate_size=96,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loaders.weights import WeightLoadError
 

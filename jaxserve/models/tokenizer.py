@@ -13,7 +13,7 @@ import hashlib
 import os
 from typing import Any
 
-from jaxserve.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 
 
 def cache_dir() -> str:

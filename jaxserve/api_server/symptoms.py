@@ -1,4 +1,4 @@
-"""Symptom -> box: read recent traces and live counters the way the course reads the map.
+"""Symptom -> box: recent traces and live counters read against the map of docs/architecture.md.
 
     slow time-to-first-token, spent queueing      -> scheduler          (more seqs / tokens per
                                                                          step, or DP ranks)

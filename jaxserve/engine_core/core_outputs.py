@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists
-from jaxserve.engine_core.tracing import StepEntry, StepTrace
+from jaxserve.engine_core.step_trace import StepEntry, StepTrace
 from jaxserve.outputs import FinishReason
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.structured_output import StructuredOutputManager
-from jaxserve.model_files import resolve_model
+from jaxserve.models.model_files import resolve_model
 from jaxserve.parallel.distributed import LeaderWorker, run_follower
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

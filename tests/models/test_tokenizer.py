@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from jaxserve.model_files import default_model_path
-from jaxserve.tokenizer import tokenizer_from_gguf
+from jaxserve.models.model_files import default_model_path
+from jaxserve.models.tokenizer import tokenizer_from_gguf
 
 TEXTS = ["Hello world, how are you?", "  leading spaces\n\ttabs and émojis 🌊", "def f(x):\n    return x**2"]
 

@@ -144,7 +144,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     prompts = make_prompts(args, tok)

@@ -8,7 +8,7 @@
 `python -m jaxserve.serve` starts it with multiprocessing (spawn) through
 `launch_engine_core`. This module's top level stays JAX-free so that the API
 server can import it to start the process; JAX is imported in the child by
-`run_engine_core` (through jaxserve.engine).
+`run_engine_core` (through jaxserve.engine.build).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import zmq
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
-from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request
-from jaxserve.engine_messages import (
+from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -168,7 +168,7 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
     output_socket.setsockopt(zmq.LINGER, 2000)
     output_socket.connect(output_address)
     try:
-        from jaxserve.engine import build_engine_core  # imports JAX
+        from jaxserve.engine.build import build_engine_core  # imports JAX
 
         built = build_engine_core(config, eos_token_id)
         freeze_gc_heap()  # a dedicated process: start-up objects never need collecting

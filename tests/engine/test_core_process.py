@@ -17,21 +17,21 @@ import zmq
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
-from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_messages import (
+from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
     decode,
     encode,
 )
-from jaxserve.engine_process import EngineCoreProc
+from jaxserve.engine.core_process import EngineCoreProc
 from jaxserve.sampling_params import SamplingParams
 
-from .server_utils import ROOT
+from tests.api_server.server_utils import ROOT
 
 TOKEN = 7
 
@@ -154,8 +154,8 @@ def test_request_round_trips_through_msgpack() -> None:
 def test_api_server_imports_without_jax() -> None:
     code = (
         "import sys\n"
-        "import jaxserve.api_server.app, jaxserve.api_server.server, jaxserve.engine_process\n"
-        "import jaxserve.bench.serve\n"
+        "import jaxserve.api_server.app, jaxserve.api_server.server, jaxserve.engine.core_process\n"
+        "import jaxserve.bench.online\n"
         "from jaxserve.serve import make_arg_parser, engine_config_from_args\n"
         "engine_config_from_args(make_arg_parser().parse_args(['--max-model-len', '512']))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'jax', 'jaxlib', 'flax'})\n"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from jaxserve.api_server.diagnose import ServerFacts, diagnose
+from jaxserve.api_server.symptoms import ServerFacts, diagnose
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.tracing import StepTrace
-from jaxserve.tracing import RequestTrace
+from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.request_trace import RequestTrace
 
 FACTS = ServerFacts(max_num_seqs=4, max_num_batched_tokens=512)
 

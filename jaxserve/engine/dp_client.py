@@ -14,8 +14,8 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from jaxserve.api_server.engine_client import EngineClient, EngineDeadError
-from jaxserve.engine_messages import EngineReady
+from jaxserve.engine.core_client import EngineClient, EngineDeadError
+from jaxserve.engine.messages import EngineReady
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""A request's trace: what each box did with it, and when (the map of DESIGN.md, per request).
+"""A request's trace: what each box did with it, and when (docs/architecture.md's map, per request).
 
 Boxes, in the order a request meets them:
 
@@ -24,8 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.engine_core.outputs import EngineCoreEvent, EngineCoreEventType
-from jaxserve.engine_core.tracing import StepEntry
+from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType
+from jaxserve.engine_core.step_trace import StepEntry
 
 BOXES = ("api_server", "engine_core", "scheduler", "kv_cache_manager", "model_runner", "sampler",
          "output_processor")

@@ -19,10 +19,10 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.engine_core.outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tracing import RequestTrace
+from jaxserve.request_trace import RequestTrace
 
 
 @dataclass

@@ -25,10 +25,10 @@ import zmq.asyncio
 
 from jaxserve.api_server.metrics import RequestStateStats, ServerMetrics
 from jaxserve.api_server.trace_store import TraceStore
-from jaxserve.engine_core.outputs import EngineCoreOutput
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.tracing import StepTrace
-from jaxserve.engine_messages import (
+from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -37,10 +37,10 @@ from jaxserve.engine_messages import (
     encode,
     remove_ipc_files,
 )
-from jaxserve.output_processor import OutputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tracing import RequestTrace
+from jaxserve.request_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 

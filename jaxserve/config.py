@@ -1,4 +1,5 @@
-"""Frozen, validated configuration for every box on the request path.
+"""Frozen, validated configuration for every box on the request path (built from
+`EngineArgs`, jaxserve/engine/arg_utils.py).
 
 Each box reads only its own section. Configs are frozen and hashable so they
 can be static arguments of `jax.jit`; variants come from `dataclasses.replace`.
@@ -244,77 +245,9 @@ class EngineConfig:
         pp = self.parallel_config.pipeline_parallel_size
         return pp if pp > 1 and self.scheduler_config.async_scheduling else 1
 
-
-def make_engine_config(
-    model: str | None = None,
-    *,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    num_gpu_blocks_override: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    enforce_eager: bool = False,
-    seed: int = 0,
-    attention_backend: str = "auto",
-    attention_interpret: bool = False,
-    async_scheduling: bool = True,
-    scheduling_policy: str = "fcfs",
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-    served_model_name: str | None = None,
-    tokenizer: str | None = None,
-    distributed_coordinator_address: str | None = None,
-    distributed_num_processes: int | None = None,
-    distributed_process_id: int | None = None,
-    request_tracing: bool = True,
-    speculative_config: dict | SpeculativeConfig | None = None,
-    quantization: str | None = None,
-    kv_cache_dtype: str = "auto",
-    load_format: str = "auto",
-) -> EngineConfig:
-    """vLLM's engine arguments -> a validated EngineConfig (every process of a
-    multi-host engine builds the same one)."""
-    if isinstance(speculative_config, dict):
-        speculative_config = SpeculativeConfig.from_dict(speculative_config)
-    if speculative_config is not None:
-        # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
-        # speculation without async scheduling too).
-        async_scheduling = False
-    return EngineConfig(
-        model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                 served_model_name=served_model_name, tokenizer=tokenizer,
-                                 quantization=quantization, load_format=load_format),
-        cache_config=CacheConfig(
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            cache_dtype=kv_cache_dtype,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len or 1,  # resolved from the model by the worker
-            policy=SchedulingPolicy(scheduling_policy),
-            async_scheduling=async_scheduling,
-        ),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size,
-            pipeline_parallel_size,
-            data_parallel_size,
-            distributed_coordinator_address=distributed_coordinator_address,
-            distributed_num_processes=distributed_num_processes,
-            distributed_process_id=distributed_process_id,
-        ),
-        enforce_eager=enforce_eager,
-        attention_backend=attention_backend,
-        attention_interpret=attention_interpret,
-        request_tracing=request_tracing,
-        speculative_config=speculative_config,
-    )
+    @property
+    def batch_queue_size(self) -> int:
+        """Steps the engine core keeps in flight: the microbatches with pipeline stages,
+        else 2 with async scheduling (the host prepares one while the device runs one)."""
+        m = self.num_microbatches
+        return m if m > 1 else 2 if self.scheduler_config.async_scheduling else 1

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxserve.config import make_engine_config
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.build import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
 from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
@@ -30,8 +30,9 @@ class LLM:
     """Generate offline with continuous batching; `model=None` is the default model."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`engine_args` are those of `make_engine_config` (vLLM's names)."""
-        config = make_engine_config(model, **engine_args)
+        """`engine_args` are `EngineArgs`' fields (vLLM's names; an unknown one is a
+        ValueError naming it)."""
+        config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
         _, num_processes, process_id = config.parallel_config.distributed()
         if process_id != 0:
             # Multi-host, the same script on every host: the others follow process 0's steps
@@ -148,10 +149,9 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         core = self.engine_core
-        step = core.step_with_batch_queue if core.batch_queue_size > 1 else core.step
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while core.has_work():
-                outputs = step()
+                outputs = core.step_fn()
                 if not outputs:
                     continue
                 results, to_abort = self.output_processor.process_outputs(outputs)

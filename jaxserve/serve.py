@@ -12,31 +12,14 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import socket
 import sys
 
-from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, SchedulingPolicy, make_engine_config
+from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import EngineArgs, human_readable_int, json_object  # noqa: F401
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.models.model_files import resolve_model
-
-
-_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def human_readable_int(value: str) -> int:
-    """`8k`/`2G` -> an int, vLLM's rule: lowercase k/m/g/t are powers of 1000, uppercase (and
-    KiB/MiB/GiB/TiB) powers of 1024; kB/MB/GB decimal. Plain integers pass through."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*", value)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a number or size: {value!r} (e.g. 4096, 8k, 2GiB)")
-    number, unit, binary, _ = m.groups()
-    base = 1024 if binary or (unit.isupper() and not m.group(4)) else 1000
-    result = float(number) * base ** _UNITS[unit.lower()]
-    if result != int(result):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
-    return int(result)
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -46,12 +29,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (same as --model)")
     server = p.add_argument_group("server")
-    server.add_argument("--model", default=None,
-                        help="HF directory or .gguf file; None: SmolLM2-135M-Instruct, bundled")
     server.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to listen on every interface")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) the API accepts; the first is reported (default: from --model)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="uvicorn's own log level")
@@ -65,8 +44,6 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "(or set $JAXSERVE_API_KEY; neither: no authentication)")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept chat templates sent in requests (their cost is unbounded)")
-    server.add_argument("--tokenizer", default=None,
-                        help="HF directory or .gguf file of the tokenizer, if not the model's")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template (a file, or the template itself) replacing "
                              "the tokenizer's")
@@ -89,62 +66,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     server.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods")
     server.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers")
     server.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
-    engine = p.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=human_readable_int, default=None,
-                        help="context length (default: the model's)")
-    engine.add_argument("--max-num-seqs", type=int, default=64,
-                        help="most requests in the running batch")
-    engine.add_argument("--max-num-batched-tokens", type=human_readable_int, default=512,
-                        help="most tokens in one step (chunked prefill splits longer prompts)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of accelerator memory for weights, activations and KV cache")
-    engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
-                        help="KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
-                             "--gpu-memory-utilization of the device)")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / "
-                             "fp8_e5m2, one byte each (k_scale = v_scale = 1.0)")
-    engine.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                        help="KV-cache pages, overriding the memory budget")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse KV pages of shared prompt prefixes")
-    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="schedule step N+1 while step N runs")
-    engine.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
-                        default="fcfs", help="order of the waiting queue")
-    engine.add_argument("--request-tracing", action=argparse.BooleanOptionalAction, default=True,
-                        help="trace each request box by box (/debug); --no-request-tracing turns it off")
-    engine.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+    server.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="export each request's trace as OpenTelemetry spans to this OTLP "
                              "HTTP endpoint (e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra)")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="skip compiling the buckets at start-up (compile lazily)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and activations (auto: float32 on the CPU, bfloat16 elsewhere)")
-    engine.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                        help="int8: per-channel int8 weights quantized at load from any checkpoint, "
-                             "dequantized inside the matmul")
-    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                        help="dummy: random weights of the model's shapes (its config.json "
-                             "alone suffices), for benchmarks and device checks")
-    engine.add_argument("--seed", type=int, default=0,
-                        help="engine seed (requests without a seed derive theirs from it)")
-    engine.add_argument("--attention-backend", default="auto",
-                        help="attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
-                             "reference, or any registered variant")
-    engine.add_argument("--attention-interpret", action="store_true",
-                        help="run Pallas attention variants in interpret mode (tests, research)")
-    engine.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
-                        help='speculative decoding, e.g. \'{"method": "ngram", '
-                             '"num_speculative_tokens": 4}\' (keys: prompt_lookup_max, '
-                             'prompt_lookup_min, disable_by_batch_size); turns off async scheduling')
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="devices each layer is split over")
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                        help="stages the layers are split into")
-    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="engine-core processes, each with its own devices, KV cache and scheduler")
+    EngineArgs.add_cli_args(p)
     return p
 
 
@@ -158,19 +83,6 @@ def json_list(value: str) -> list[str]:
         parsed = None
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
-    return parsed
-
-
-def json_object(value: str) -> dict:
-    """A JSON object (vLLM's --speculative-config form)."""
-    import json
-
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
 
 
@@ -200,23 +112,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the frozen EngineConfig (raises ValueError naming the bad flag's field)."""
-    return make_engine_config(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        served_model_name=(args.served_model_name or [None])[0], tokenizer=args.tokenizer,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        attention_interpret=args.attention_interpret, request_tracing=args.request_tracing,
-        speculative_config=args.speculative_config, quantization=args.quantization,
-        load_format=args.load_format,
-    )
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def follow(config: EngineConfig, process_id: int, num_processes: int) -> int:

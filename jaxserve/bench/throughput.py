@@ -8,46 +8,35 @@ Prompts are random token ids (fixed seed) and every request generates exactly
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
 import numpy as np
 
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.sampling_params import SamplingParams
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default="auto",
-                   help="attention variant to measure (auto: the platform's own)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-async-scheduling", action="store_true")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--structured-regex", default=None,
                    help="constrain every request to this regex (structured outputs): the grammar "
                         "mask's cost, e.g. '[a-z ]*'")
     p.add_argument("--output-json", default=None)
     p.add_argument("--step-stats", action="store_true",
                    help="time host work (scheduling, input preparation) and device waits per step")
+    EngineArgs.add_cli_args(p, defaults={"max_model_len": 2048})
 
 
 def run(args: argparse.Namespace) -> dict:
     from jaxserve.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        async_scheduling=not args.no_async_scheduling, seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
-    )
+    engine_args = dataclasses.asdict(EngineArgs.from_cli_args(args))
+    llm = LLM(**engine_args)
     startup = time.perf_counter() - t0
     rng = np.random.default_rng(args.seed)
     vocab = llm.engine.worker.arch.vocab_size

@@ -83,10 +83,8 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer), worker.arch.vocab_size)
     scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured,
                           config.speculative_config, microbatches)
-    # Async scheduling keeps one step in flight while the next is prepared.
-    batch_queue = microbatches if microbatches > 1 else 2 if sc.async_scheduling else 1
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
-    core = EngineCore(scheduler, executor, batch_queue_size=batch_queue,
+    core = EngineCore(scheduler, executor, batch_queue_size=config.batch_queue_size,
                       request_tracing=config.request_tracing)
     timings = dict(worker.timings, total_s=time.perf_counter() - t0)
     return BuiltEngine(core, worker, config, num_blocks, timings)

@@ -64,13 +64,12 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         """Serve until told to shut down or the parent goes away."""
         core = self.core
-        step = core.step_with_batch_queue if core.batch_queue_size > 1 else core.step
         while True:
             if not self.process_input_queue():
                 return
             if not core.has_work():
                 continue
-            outputs = step()
+            outputs = core.step_fn()
             if outputs is None:  # only dispatched; the next turn collects
                 continue
             if outputs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 from jaxserve.engine_core.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -93,6 +93,10 @@ class EngineCore:
         self._execute_async = (
             worker.execute_model_async if isinstance(worker, AsyncWorker) else None
         )
+        # The loop's one step, for the offline LLM and the engine-core process alike: None
+        # means a step was only dispatched (the next call collects it).
+        self.step_fn: Callable[[], list[EngineCoreOutput] | None] = (
+            self.step_with_batch_queue if batch_queue_size > 1 else self.step)
         if freeze_gc:
             freeze_gc_heap()
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import SpeculativeConfig, make_engine_config
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP, DraftPolicy, NgramProposer

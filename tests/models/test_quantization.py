@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig, make_engine_config
+from jaxserve.config import ModelConfig
+from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.quantization import (

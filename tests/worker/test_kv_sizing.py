@@ -49,7 +49,7 @@ def test_pages_the_user_gave_are_refused_naming_their_flag() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory):
-    from jaxserve.config import make_engine_config
+    from jaxserve.engine.arg_utils import make_engine_config
     from tests.models.tiny import save_tiny_hf
 
     path = save_tiny_hf("llama", str(tmp_path_factory.mktemp("tiny")))

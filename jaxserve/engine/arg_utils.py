@@ -1,0 +1,236 @@
+"""`EngineArgs` (vLLM's name): every engine argument, its default and its help, in one place.
+
+The command lines (`serve`, `preflight`, `generate`, `bench throughput`) generate their engine
+flags from it (`add_cli_args`); the offline `LLM(**kwargs)` takes the same names; and
+`create_engine_config` resolves every derived setting, once, into the frozen `EngineConfig`.
+JAX-free (the API server parses these flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.config import (
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    SpeculativeConfig,
+)
+
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def human_readable_int(value: str) -> int:
+    """`8k`/`2G` -> an int, vLLM's rule: lowercase k/m/g/t are powers of 1000, uppercase (and
+    KiB/MiB/GiB/TiB) powers of 1024; kB/MB/GB decimal. Plain integers pass through."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)([bB]?)\s*", value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a number or size: {value!r} (e.g. 4096, 8k, 2GiB)")
+    number, unit, binary, _ = m.groups()
+    base = 1024 if binary or (unit.isupper() and not m.group(4)) else 1000
+    result = float(number) * base ** _UNITS[unit.lower()]
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
+
+
+def json_object(value: str) -> dict:
+    """A JSON object (vLLM's --speculative-config form)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def _arg(group: str, help: str, *aliases: str, cli: bool = True, **argparse_kw: Any) -> dict:
+    """A field's command-line form: its argparse group, help, short aliases ("-tp") and
+    add_argument keywords (type, choices, action, nargs, metavar); `cli=False` for
+    arguments with no flag (read from the environment instead)."""
+    return {"group": group, "help": help, "aliases": aliases, "cli": cli, "kw": argparse_kw}
+
+
+BOOL = argparse.BooleanOptionalAction
+
+
+@dataclass
+class EngineArgs:
+    """The engine's arguments under vLLM's names; `create_engine_config()` validates them."""
+
+    # model
+    model: str | None = field(default=None, metadata=_arg(
+        "model", "HF directory or .gguf file; None: SmolLM2-135M-Instruct, bundled"))
+    served_model_name: str | list[str] | None = field(default=None, metadata=_arg(
+        "model", "model name(s) the API accepts; the first is reported (default: from --model)",
+        nargs="+"))
+    tokenizer: str | None = field(default=None, metadata=_arg(
+        "model", "HF directory or .gguf file of the tokenizer, if not the model's"))
+    dtype: str = field(default="auto", metadata=_arg(
+        "model", "weights and activations (auto: float32 on the CPU, bfloat16 elsewhere)",
+        choices=["auto", "float32", "bfloat16", "float16"]))
+    max_model_len: int | None = field(default=None, metadata=_arg(
+        "model", "context length (default: the model's)", type=human_readable_int))
+    quantization: str | None = field(default=None, metadata=_arg(
+        "model", "int8: per-channel int8 weights quantized at load from any checkpoint, "
+        "dequantized inside the matmul", "-q", choices=list(QUANTIZATION_METHODS)))
+    load_format: str = field(default="auto", metadata=_arg(
+        "model", "dummy: random weights of the model's shapes (its config.json alone "
+        "suffices), for benchmarks and device checks", choices=list(LOAD_FORMATS)))
+    seed: int = field(default=0, metadata=_arg(
+        "model", "engine seed (requests without a seed derive theirs from it)", type=int))
+    # cache
+    block_size: int = field(default=16, metadata=_arg(
+        "cache", "tokens per KV-cache page", type=int))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_arg(
+        "cache", "fraction of accelerator memory for weights, activations and KV cache",
+        type=float))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_arg(
+        "cache", "KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
+        "--gpu-memory-utilization of the device)", type=human_readable_int))
+    kv_cache_dtype: str = field(default="auto", metadata=_arg(
+        "cache", "KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
+        "one byte each (k_scale = v_scale = 1.0)", choices=list(KV_CACHE_DTYPES)))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_arg(
+        "cache", "KV-cache pages, overriding the memory budget", type=int))
+    enable_prefix_caching: bool = field(default=True, metadata=_arg(
+        "cache", "reuse KV pages of shared prompt prefixes", action=BOOL))
+    # scheduler
+    max_num_seqs: int = field(default=64, metadata=_arg(
+        "scheduler", "most requests in the running batch", type=int))
+    max_num_batched_tokens: int = field(default=512, metadata=_arg(
+        "scheduler", "most tokens in one step (chunked prefill splits longer prompts)",
+        type=human_readable_int))
+    async_scheduling: bool = field(default=True, metadata=_arg(
+        "scheduler", "schedule step N+1 while step N runs (off with speculative decoding)",
+        action=BOOL))
+    scheduling_policy: str = field(default="fcfs", metadata=_arg(
+        "scheduler", "order of the waiting queue", choices=[p.value for p in SchedulingPolicy]))
+    speculative_config: dict | SpeculativeConfig | None = field(default=None, metadata=_arg(
+        "scheduler", 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens":'
+        ' 4}\' (keys: prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); turns off '
+        "async scheduling", type=json_object, metavar="JSON"))
+    # parallel
+    tensor_parallel_size: int = field(default=1, metadata=_arg(
+        "parallel", "devices each layer is split over", "-tp", type=int))
+    pipeline_parallel_size: int = field(default=1, metadata=_arg(
+        "parallel", "stages the layers are split into", "-pp", type=int))
+    data_parallel_size: int = field(default=1, metadata=_arg(
+        "parallel", "engine-core processes, each with its own devices, KV cache and scheduler",
+        "-dp", type=int))
+    distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
+        "parallel", "multi-host coordinator (default: $JAX_COORDINATOR_ADDRESS)", cli=False))
+    distributed_num_processes: int | None = field(default=None, metadata=_arg(
+        "parallel", "multi-host processes (default: $JAX_NUM_PROCESSES)", cli=False))
+    distributed_process_id: int | None = field(default=None, metadata=_arg(
+        "parallel", "this host's process (default: $JAX_PROCESS_ID)", cli=False))
+    # worker
+    enforce_eager: bool = field(default=False, metadata=_arg(
+        "worker", "skip compiling the buckets at start-up (compile lazily)", action="store_true"))
+    attention_backend: str = field(default="auto", metadata=_arg(
+        "worker", "attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
+        "reference, or any registered variant"))
+    attention_interpret: bool = field(default=False, metadata=_arg(
+        "worker", "run Pallas attention variants in interpret mode (tests, research)",
+        action="store_true"))
+    request_tracing: bool = field(default=True, metadata=_arg(
+        "worker", "trace each request box by box (/debug); --no-request-tracing turns it off",
+        action=BOOL))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`LLM(model, **kwargs)`'s arguments; an unknown name is a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; see jaxserve/engine/"
+                             "arg_utils.py (EngineArgs) for the ones jaxserve takes")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                     exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add every engine flag (`--max-num-seqs`, ...) to `parser`, in one argparse group
+        per box; `defaults` overrides a default for this command line (its --help shows it)."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if not meta["cli"] or f.name in exclude:
+                continue
+            name = meta["group"]
+            if name not in groups:
+                groups[name] = parser.add_argument_group(f"engine: {name}")
+            kw = dict(meta["kw"])
+            default = (defaults or {}).get(f.name, f.default)
+            groups[name].add_argument("--" + f.name.replace("_", "-"), *meta["aliases"],
+                                      dest=f.name, default=default, help=meta["help"], **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The parsed flags (arguments a command line leaves out keep their defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                      if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate and resolve into the frozen EngineConfig (ValueError naming the field).
+        Every derived setting is decided here (every process of a multi-host engine builds
+        the same one)."""
+        spec = self.speculative_config
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig.from_dict(spec)
+        # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
+        # speculation without async scheduling too).
+        async_scheduling = self.async_scheduling and spec is None
+        served = self.served_model_name
+        if isinstance(served, list | tuple):
+            served = served[0] if served else None
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                seed=self.seed, served_model_name=served, tokenizer=self.tokenizer,
+                quantization=self.quantization, load_format=self.load_format),
+            cache_config=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len or 1,  # resolved from the model by the worker
+                policy=_policy(self.scheduling_policy), async_scheduling=async_scheduling),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                distributed_coordinator_address=self.distributed_coordinator_address,
+                distributed_num_processes=self.distributed_num_processes,
+                distributed_process_id=self.distributed_process_id),
+            enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
+            attention_interpret=self.attention_interpret, request_tracing=self.request_tracing,
+            speculative_config=spec)
+
+
+def _policy(value: str) -> SchedulingPolicy:
+    try:
+        return SchedulingPolicy(value)
+    except ValueError:
+        raise ValueError(f"scheduling_policy must be one of "
+                         f"{', '.join(p.value for p in SchedulingPolicy)}, got {value!r}") from None
+
+
+def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """`EngineArgs(model=model, **kwargs).create_engine_config()`, for code and tests that
+    build a config from keywords."""
+    return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()

@@ -1,0 +1,77 @@
+"""EngineArgs is the one source of the engine's arguments: every command line takes the same
+flags with the same defaults, LLM(**kwargs) the same names, and the derived settings are
+decided in create_engine_config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from jaxserve.engine.arg_utils import EngineArgs, make_engine_config
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    from jaxserve.bench import throughput
+    from jaxserve.generate import make_parser as generate_parser
+    from jaxserve.preflight import make_parser as preflight_parser
+    from jaxserve.serve import make_arg_parser
+
+    bench = argparse.ArgumentParser()
+    throughput.add_args(bench)
+    return {"serve": make_arg_parser(), "preflight": preflight_parser(),
+            "generate": generate_parser(), "bench throughput": bench}
+
+
+# Where a command line's default differs from EngineArgs', on purpose (short benchmarks).
+OVERRIDES = {"generate": {"max_model_len": 2048}, "bench throughput": {"max_model_len": 2048}}
+
+
+@pytest.mark.parametrize("command", ["serve", "preflight", "generate", "bench throughput"])
+def test_every_command_line_takes_every_engine_flag_with_its_default(command: str) -> None:
+    parser = _parsers()[command]
+    flags = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        if not f.metadata["cli"]:
+            assert f.name not in flags
+            continue
+        assert f.name in flags, f"{command} lacks --{f.name.replace('_', '-')}"
+        want = OVERRIDES.get(command, {}).get(f.name, f.default)
+        assert flags[f.name].default == want, (command, f.name)
+    args = parser.parse_args(["--target", "v5e:1x1"] if command == "preflight" else [])
+    defaults = dataclasses.replace(EngineArgs(), **OVERRIDES.get(command, {}))
+    assert EngineArgs.from_cli_args(args) == defaults
+
+
+def test_flags_parse_to_the_config_under_vllms_names() -> None:
+    from jaxserve.serve import engine_config_from_args, make_arg_parser
+
+    args = make_arg_parser().parse_args(
+        ["-tp", "2", "--max-num-batched-tokens", "2k", "--no-enable-prefix-caching",
+         "--served-model-name", "a", "b", "--scheduling-policy", "priority"])
+    config = engine_config_from_args(args)
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.scheduler_config.max_num_batched_tokens == 2000
+    assert not config.cache_config.enable_prefix_caching
+    assert config.model_config.served_model_name == "a"
+    assert config.scheduler_config.policy.value == "priority"
+
+
+def test_derived_settings_are_decided_once() -> None:
+    spec = make_engine_config(speculative_config={"num_speculative_tokens": 3})
+    assert not spec.scheduler_config.async_scheduling and spec.batch_queue_size == 1
+    assert make_engine_config().batch_queue_size == 2
+    assert make_engine_config(async_scheduling=False).batch_queue_size == 1
+    pp = make_engine_config(pipeline_parallel_size=2)
+    assert pp.num_microbatches == 2 and pp.batch_queue_size == 2
+    assert make_engine_config(pipeline_parallel_size=3).batch_queue_size == 3
+
+
+def test_bad_arguments_are_value_errors_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+        EngineArgs.from_kwargs(max_num_seq=4)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        make_engine_config(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        make_engine_config(max_num_seqs=0)

@@ -11,7 +11,10 @@ stages of different steps overlap (pipeline microbatches).
       7     1      874.9        the two steps were in the pipeline together
 
 A thread polls `is_ready()` on every stage's output (JAX offers no completion callback);
-meant for tests and tools, not for serving.
+meant for tests and tools, not for serving. Those times depend on the machine's load; the
+host's order of events does not: `dispatched_ahead()` lists the steps whose successor was
+dispatched before the host read their tokens (without which no two steps can share the
+pipeline).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class StageTimeline:
         self._pending: list[tuple[int, int, Any]] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
+        self._events: list[tuple[str, int]] = []  # ("dispatch" | "read", step ordinal)
         self._stop = threading.Event()
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -37,11 +41,29 @@ class StageTimeline:
         """Watch every stage `runner` (a ModelRunner) dispatches from now on."""
         timeline = cls()
         runner.stage_observer = timeline.observe
+        read = runner._to_output  # a step's first read of its tokens (steps read in order)
+
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            with timeline._lock:
+                timeline._events.append(("read", sum(e == "read" for e, _ in timeline._events) + 1))
+            return read(*args, **kwargs)
+
+        runner._to_output = reading
         return timeline
 
     def observe(self, step: int, stage: int, output: Any) -> None:
         with self._lock:
             self._pending.append((step, stage, output))
+            if stage == 0:
+                n = sum(e == "dispatch" for e, _ in self._events) + 1
+                self._events.append(("dispatch", n))
+
+    def dispatched_ahead(self) -> list[int]:
+        """Step ordinals k whose successor k + 1 was dispatched before step k's tokens were
+        read: the host did not serialise them (independent of timing)."""
+        at = {e: i for i, e in enumerate(self._events)}
+        return [k for (kind, k) in self._events if kind == "read"
+                and ("dispatch", k + 1) in at and at[("dispatch", k + 1)] < at[("read", k)]]
 
     def _poll(self) -> None:
         while not self._stop.is_set():

@@ -114,3 +114,16 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_idle(server: RemoteServer, timeout: float = 60.0) -> dict[str, float]:
+    """Until no request runs or waits and no KV page is in use (an event, not a sleep);
+    returns the metrics then. Fails naming them after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+                and m["jaxserve:kv_cache_usage_perc"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {m}"
+        time.sleep(0.05)

@@ -20,7 +20,7 @@ import openai
 import pytest
 import schemathesis
 
-from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +42,6 @@ def server():
     with RemoteServer([*SMALL_ENGINE_ARGS, "--api-key", KEY, "--max-logprobs", "5",
                        "--root-path", "/proxy", "--chat-template", TEMPLATE], api_key=KEY) as s:
         yield s
-
-
-def wait_idle(server: RemoteServer, timeout: float = 60) -> dict[str, float]:
-    """Until no request runs or waits and no KV page is in use (an event, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
-                and m["jaxserve:kv_cache_usage_perc"] == 0):
-            return m
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {m}"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("case", attack.CASES, ids=[f"{c.kind}: {c.name}" for c in attack.CASES])

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -306,17 +306,6 @@ def test_errors_through_the_openai_client(client: openai.OpenAI) -> None:
 # --- disconnects, load, metrics -----------------------------------------------------------
 
 
-def _wait_idle(server: RemoteServer, timeout: float = 60.0) -> dict[str, float]:
-    """Until nothing runs or waits and no page is used; the caller asserts on what it got."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
-                and m["jaxserve:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
-
-
 def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
     body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
@@ -330,7 +319,7 @@ def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
             assert time.monotonic() < deadline, "the streaming request never showed as running"
             time.sleep(0.05)
     # Leaving the block closed the connection mid-stream.
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
     assert m["jaxserve:generation_tokens_total"] > 0
 
@@ -346,7 +335,7 @@ def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(give_up())
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
 
 
@@ -372,7 +361,7 @@ def test_64_concurrent_streams_all_complete(server: RemoteServer) -> None:
 
     results = asyncio.run(main())
     assert results == [(12, "length")] * 64
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_metrics(server: RemoteServer) -> None:

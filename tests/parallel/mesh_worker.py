@@ -56,6 +56,7 @@ def main() -> None:
         if timeline is not None:
             timeline.stop()
             results[key]["overlapped_steps"] = timeline.overlapped_steps()
+            results[key]["dispatched_ahead"] = timeline.dispatched_ahead()
             results[key]["timeline"] = timeline.format()
         del llm
     print("RESULTS " + json.dumps(results))

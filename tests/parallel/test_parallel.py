@@ -58,15 +58,14 @@ def test_default_model_same_tokens_under_tp_pp_and_both() -> None:
     assert s["stage0/embed_tokens/qweight"][0] == "P('model', None)"
     assert s["stage1/embed_tokens/scale"][0] == "P('model', None)"
     # Pipeline microbatches: the 3 prompts run as 2 groups (max_num_seqs 4 / pp 2) whose
-    # steps share the pipeline: a step's stage 0 finished before the previous step's last
-    # stage did (impossible when each step's inputs waited for the previous step's tokens).
+    # steps share the pipeline: each step's successor is dispatched before the host reads the
+    # step's tokens (the order of host events, not timings: nothing here depends on load).
+    # When each stage finished on the devices is printed, not asserted: on a loaded 2-core
+    # machine XLA's CPU runtime may run the stages one after the other anyway.
     for key in ("1x2", "1x3", "2x2"):
         print(f"TP x PP {key}: stage completions\n{res[key]['timeline']}")
         print(f"TP x PP {key}: overlapped steps {res[key]['overlapped_steps']}")
-    # NOTE: not asserted for 2x2: on this 2-core machine the two 2-device stage programs were
-    # never seen running at once (XLA's CPU runtime, likely its collectives' rendezvous on a
-    # 2-thread pool); nothing in them depends on the other step.
-    assert res["1x2"]["overlapped_steps"] and res["1x3"]["overlapped_steps"]
+        assert len(res[key]["dispatched_ahead"]) >= 4, (key, res[key]["dispatched_ahead"])
     # Pipeline: each stage holds only its layers, on its own devices.
     s = res["1x3"]["shardings"]
     assert "stage0/embed_tokens/embedding" in s and "stage2/norm/scale" in s and "stage1/norm/scale" not in s

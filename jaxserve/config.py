@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class SchedulingPolicy(enum.Enum):
@@ -131,6 +132,14 @@ class SchedulerConfig:
             raise ValueError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
 
 
+class DistributedSettings(NamedTuple):
+    """Where this process stands in a multi-host engine (one process: None, 1, 0)."""
+
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of the device mesh axes `data`, `stage` and `model`."""
@@ -155,8 +164,8 @@ class ParallelConfig:
         if pid is not None and n is not None and not 0 <= pid < n:
             raise ValueError(f"distributed_process_id must be in [0, {n}), got {pid}")
 
-    def distributed(self) -> tuple[str | None, int, int]:
-        """(coordinator address, number of processes, this process's id): the fields first,
+    def distributed(self) -> DistributedSettings:
+        """Coordinator address, number of processes, this process's id: the fields first,
         then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (JAX-free: the
         server reads it to know whether it serves or follows)."""
         n = self.distributed_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1"))
@@ -169,7 +178,7 @@ class ParallelConfig:
                              "or distributed_coordinator_address)")
         if not 0 <= pid < n:
             raise ValueError(f"JAX_PROCESS_ID must be in [0, {n}), got {pid}")
-        return addr, n, pid
+        return DistributedSettings(addr, n, pid)
 
 
 @dataclass(frozen=True)

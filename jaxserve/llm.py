@@ -33,7 +33,8 @@ class LLM:
         """`engine_args` are `EngineArgs`' fields (vLLM's names; an unknown one is a
         ValueError naming it)."""
         config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
-        _, num_processes, process_id = config.parallel_config.distributed()
+        dist = config.parallel_config.distributed()
+        num_processes, process_id = dist.num_processes, dist.process_id
         if process_id != 0:
             # Multi-host, the same script on every host: the others follow process 0's steps
             # until its LLM shuts down, then leave; the rest of the script is process 0's.

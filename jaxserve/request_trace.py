@@ -199,10 +199,11 @@ class RequestTrace:
             "ttft_s": None if self.first_token is None else self.first_token - self.received,
             "queue_s": queue_s,
             "num_steps": len(steps),
-            "prefill_steps": sum(1 for s in steps if s[3] < self.num_prompt_tokens),
+            "prefill_steps": sum(1 for s in steps
+                                 if s.num_computed_tokens < self.num_prompt_tokens),
             "num_preemptions": sum(1 for e in self.events if e.name == "preempted"),
-            "num_compiles": sum(s[0].num_compiles for s in steps),
-            "compile_s": sum(s[0].compile_s for s in steps),
+            "num_compiles": sum(s.trace.num_compiles for s in steps),
+            "compile_s": sum(s.trace.compile_s for s in steps),
             "time_by_box": {b: round(by_box[b], 6) for b in BOXES if b in by_box},
         }
 

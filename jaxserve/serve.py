@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = engine_config_from_args(args)
         resolve_model(args.model)  # a missing model is a usage error, before any process starts
-        _, num_processes, process_id = config.parallel_config.distributed()
+        dist = config.parallel_config.distributed()
+        num_processes, process_id = dist.num_processes, dist.process_id
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     if num_processes > 1 and config.parallel_config.data_parallel_size > 1:

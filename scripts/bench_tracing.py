@@ -62,6 +62,7 @@ def micro(batch: int = 64, steps: int = 2000) -> None:
     from jaxserve.engine_core.core_outputs import EngineCoreOutput
     from jaxserve.engine_core.sched_output import CachedRequestData, SchedulerOutput
     from jaxserve.engine_core.step_trace import StepTrace, StepTracer
+    from jaxserve.engine_core.wire import decode_record
     from jaxserve.request_trace import RequestTrace
 
     ids = [f"cmpl-{i:032x}-0" for i in range(batch)]
@@ -79,7 +80,7 @@ def micro(batch: int = 64, steps: int = 2000) -> None:
             tracer.updated(st, outs)
         table: dict = {}
         payload = [o.to_dict(table) for o in outs]
-        steps = {int(k): StepTrace.from_list(v) for k, v in table.items()}
+        steps = {int(k): decode_record(StepTrace, v) for k, v in table.items()}
         for o in (EngineCoreOutput.from_dict(d, steps) for d in payload):
             if traced:  # what the output processor adds
                 t = traces[o.req_id]

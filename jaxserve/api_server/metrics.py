@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
-from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.stats import SchedulerStats, StepStats
 
 PREFIX = "jaxserve:"
 
@@ -156,7 +156,8 @@ class ServerMetrics:
             for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
                 self._accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
         self.totals["preemptions"] += stats.num_preemptions
-        n, secs = stats.step_stats.get("num_compiles", 0), stats.step_stats.get("compile_s", 0.0)
+        steps = stats.step_stats or StepStats()
+        n, secs = steps.num_compiles, steps.compile_s
         n0, s0 = self._compile_totals.get(engine_index, (0, 0.0))
         if n > n0:
             self._compiles.append((time.time(), int(n - n0), secs - s0))
@@ -238,11 +239,11 @@ class ServerMetrics:
             "waiting": waiting, "running": running, "kv_cache_usage": usage,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "num_preemptions": self.totals["preemptions"],
-            "num_steps": sum(x.get("num_steps", 0) for x in steps),
-            "step_time_s": sum(x.get("step_time_s", 0.0) for x in steps) / k,
-            "batch_size": sum(x.get("batch_size", 0.0) for x in steps) / k,
-            "num_compiles": sum(x.get("num_compiles", 0) for x in steps),
-            "compile_s": sum(x.get("compile_s", 0.0) for x in steps),
+            "num_steps": sum(x.num_steps for x in steps),
+            "step_time_s": sum(x.step_time_s for x in steps) / k,
+            "batch_size": sum(x.batch_size for x in steps) / k,
+            "num_compiles": sum(x.num_compiles for x in steps),
+            "compile_s": sum(x.compile_s for x in steps),
             "tokens_per_s": self.tokens_per_s(),
         }
 

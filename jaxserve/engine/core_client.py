@@ -28,6 +28,7 @@ from jaxserve.api_server.trace_store import TraceStore
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
@@ -100,7 +101,7 @@ class EngineClient:
             if await self._output.poll(500):
                 kind, payload = decode(await self._output.recv())
                 if kind == EngineCoreMessageType.READY:
-                    self.ready = EngineReady.from_dict(payload)
+                    self.ready = decode_record(EngineReady, payload)
                     return self.ready
                 if kind == EngineCoreMessageType.STARTUP_FAILED:
                     self.process.join(10)
@@ -214,7 +215,7 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
             frame = encode(EngineCoreRequestType.ADD, [
-                EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority).to_list()
+                encode_record(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority))
                 for cid, p in children])
             self._queues[request_id] = queue
             for cid, _ in children:
@@ -288,7 +289,7 @@ class EngineClient:
             self._mark_dead("the API server's output loop failed")
 
     def _process_outputs(self, payload: dict[str, Any]) -> None:
-        steps = {int(k): StepTrace.from_list(v) for k, v in (payload.get("steps") or {}).items()}
+        steps = {int(k): decode_record(StepTrace, v) for k, v in (payload.get("steps") or {}).items()}
         outputs = [EngineCoreOutput.from_dict(d, steps) for d in payload["outputs"]]
         now = time.monotonic()
         if self.metrics is not None:
@@ -311,7 +312,8 @@ class EngineClient:
             if r.finished:
                 self._queues.pop(r.request_id, None)
         if payload.get("stats") is not None and self.metrics is not None:
-            self.metrics.record_scheduler_stats(SchedulerStats.from_dict(payload["stats"]), self.engine_index)
+            self.metrics.record_scheduler_stats(decode_record(SchedulerStats, payload["stats"]),
+                                                self.engine_index)
 
     def _finish_child(self, cid: str, reason: str, now: float | None = None) -> None:
         self._children.pop(cid, None)

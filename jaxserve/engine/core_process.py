@@ -28,6 +28,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request
+from jaxserve.engine_core.wire import encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
@@ -112,7 +113,7 @@ class EngineCoreProc:
             errors = []
             for item in payload:
                 try:
-                    req = EngineCoreRequest.from_list(item)
+                    req = EngineCoreRequest.decode(item)
                     self.core.add_request(Request(
                         req.req_id, req.prompt_token_ids, req.sampling_params,
                         arrival_time=req.arrival_time, priority=req.priority,
@@ -142,7 +143,7 @@ class EngineCoreProc:
     def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         steps: dict[int, list[Any]] = {}
         payload = {"outputs": [o.to_dict(steps) for o in outputs], "steps": steps,
-                   "stats": self.core.get_stats().to_dict()}
+                   "stats": encode_record(self.core.get_stats())}
         self.output_socket.send(encode(EngineCoreMessageType.OUTPUTS, payload))
         self.stats_dirty = False
 
@@ -182,7 +183,7 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
         output_socket.send(encode(EngineCoreMessageType.STARTUP_FAILED, f"{type(e).__name__}: {e}"))
         output_socket.close()
         sys.exit(1)
-    output_socket.send(encode(EngineCoreMessageType.READY, ready.to_dict()))
+    output_socket.send(encode(EngineCoreMessageType.READY, encode_record(ready)))
     proc = EngineCoreProc(built.core, input_socket, output_socket, parent_pid)
     try:
         proc.run_busy_loop()

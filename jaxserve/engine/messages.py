@@ -11,7 +11,6 @@ int, float and None. JAX-free: both processes import it.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
 import tempfile
@@ -22,13 +21,14 @@ from typing import Any
 import msgpack
 
 from jaxserve.engine_core.request import InvalidRequestError
+from jaxserve.engine_core.wire import decode_record
 from jaxserve.sampling_params import SamplingParams
 
 
 class EngineCoreRequestType(enum.IntEnum):
     """API server -> engine core (vLLM's names)."""
 
-    ADD = 0  # payload: [EngineCoreRequest.to_list(), ...]
+    ADD = 0  # payload: [encode_record(EngineCoreRequest), ...] (jaxserve/engine_core/wire.py)
     ABORT = 1  # payload: [engine request id, ...]
     UTILITY = 2  # payload: [call_id, method, args]
     SHUTDOWN = 3  # payload: None; the engine core leaves its loop and exits
@@ -37,9 +37,9 @@ class EngineCoreRequestType(enum.IntEnum):
 class EngineCoreMessageType(enum.IntEnum):
     """Engine core -> API server."""
 
-    READY = 0  # payload: EngineReady.to_dict()
-    # payload: {"outputs": [EngineCoreOutput.to_dict()], "steps": {step: StepTrace.to_list()},
-    #           "stats": dict | None}
+    READY = 0  # payload: encode_record(EngineReady)
+    # payload: {"outputs": [EngineCoreOutput.to_dict()], "steps": {step: encode_record(StepTrace)},
+    #           "stats": encode_record(SchedulerStats) | None}
     OUTPUTS = 1
     UTILITY_RESULT = 2  # payload: [call_id, result, error message or None]
     # payload: [[engine request id, message, the request's own fault], ...]: add refused
@@ -59,20 +59,14 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
 
-    def to_list(self) -> list[Any]:
-        params = {f.name: getattr(self.sampling_params, f.name)
-                  for f in dataclasses.fields(SamplingParams)}
-        return [self.req_id, self.prompt_token_ids, params, self.arrival_time, self.priority,
-                self.cache_salt]
-
     @classmethod
-    def from_list(cls, v: list[Any]) -> EngineCoreRequest:
-        """Raises InvalidRequestError for parameters SamplingParams refuses."""
+    def decode(cls, record: list[Any]) -> EngineCoreRequest:
+        """`decode_record` for a request; InvalidRequestError for parameters SamplingParams
+        refuses (or a malformed record)."""
         try:
-            params = SamplingParams(**v[2])
+            return decode_record(cls, record)
         except (TypeError, ValueError) as e:
             raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
-        return cls(v[0], v[1], params, v[3], v[4], v[5])
 
 
 @dataclass
@@ -85,13 +79,6 @@ class EngineReady:
     vocab_size: int
     max_num_seqs: int
     timings: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineReady:
-        return cls(**d)
 
 
 def encode(kind: int, payload: Any) -> bytes:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists
-from jaxserve.engine_core.step_trace import StepEntry, StepTrace
+from jaxserve.engine_core.step_trace import StepEntry, StepTrace, new_step_entry
+from jaxserve.engine_core.wire import encode_record
 from jaxserve.outputs import FinishReason
 
 if TYPE_CHECKING:
@@ -82,10 +83,10 @@ class EngineCoreOutput:
         trace = None
         if self.trace_steps is not None:
             trace = []
-            for st, *entry in self.trace_steps:
+            for st, tokens, pages, computed, admitted in self.trace_steps:
                 if steps is not None and st.step not in steps:
-                    steps[st.step] = st.to_list()
-                trace.append([st.step, *entry])
+                    steps[st.step] = encode_record(st)
+                trace.append([st.step, tokens, pages, computed, admitted])
         return {
             "trace_steps": trace,
             "req_id": self.req_id,
@@ -124,5 +125,6 @@ class EngineCoreOutput:
             prompt_logprobs=None if d.get("prompt_logprobs") is None
             else LogprobsLists(*d["prompt_logprobs"]),
             trace_steps=None if trace is None or steps is None
-            else [(steps[s], t, p, c, bool(a)) for s, t, p, c, a in trace if s in steps],
+            else [new_step_entry(StepEntry, (steps[s], t, p, c, bool(a))) for s, t, p, c, a in trace
+                  if s in steps],
         )

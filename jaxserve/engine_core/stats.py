@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 
@@ -31,6 +30,18 @@ class PrefixCacheStats:
 
 
 @dataclass
+class StepStats:
+    """The engine's step counters (StepTracer.stats()): steps so far, mean time between the
+    recent steps and their mean batch size, programs compiled while serving."""
+
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    batch_size: float = 0.0
+    num_compiles: int = 0
+    compile_s: float = 0.0
+
+
+@dataclass
 class SchedulerStats:
     """One snapshot of the scheduler for the metrics endpoint and logs."""
 
@@ -39,17 +50,5 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of pages in use, 0..1
     prefix_cache_stats: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0  # since the previous snapshot
-    # StepTracer.stats(): num_steps, step_time_s, batch_size, num_compiles, compile_s
-    step_stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    step_stats: StepStats | None = None  # None with request tracing off
     spec_decoding_stats: SpecDecodingStats | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SchedulerStats:
-        d = dict(d)
-        d["prefix_cache_stats"] = PrefixCacheStats(**d["prefix_cache_stats"])
-        if d.get("spec_decoding_stats") is not None:
-            d["spec_decoding_stats"] = SpecDecodingStats(**d["spec_decoding_stats"])
-        return cls(**d)

@@ -22,7 +22,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from jaxserve.engine_core.stats import StepStats
 
 if TYPE_CHECKING:
     from jaxserve.engine_core.sched_output import SchedulerOutput
@@ -43,19 +45,20 @@ class StepTrace:
     num_compiles: int = 0  # programs built while dispatching this step (0 once warm)
     compile_s: float = 0.0
 
-    def to_list(self) -> list[Any]:
-        return [self.step, self.schedule_start, self.schedule_end, self.batch_size,
-                self.num_tokens, self.dispatched, self.device_start, self.done, self.update_end,
-                self.sample_s, self.num_compiles, self.compile_s]
 
-    @classmethod
-    def from_list(cls, v: list[Any]) -> StepTrace:
-        return cls(*v)
+class StepEntry(NamedTuple):
+    """A request's part in one step (a tuple: cheap to make for every request of a step)."""
+
+    trace: StepTrace  # the step, shared by the requests in it
+    num_tokens: int  # tokens scheduled for the request
+    num_pages: int  # pages allocated to it
+    num_computed_tokens: int  # its tokens computed before the step
+    admitted: bool  # its first step after waiting (new or resumed)
 
 
-# A request's part in one step: (step, tokens scheduled, pages allocated, tokens computed
-# before, admitted in this step (first step after waiting: new or resumed)).
-StepEntry = tuple[StepTrace, int, int, int, bool]
+# A StepEntry from its values, without NamedTuple's argument parsing (one per request a step):
+# new_step_entry(StepEntry, (trace, tokens, pages, computed, admitted)).
+new_step_entry = tuple.__new__
 
 
 class StepTracer:
@@ -84,11 +87,12 @@ class StepTracer:
             # The prefix-cache hit's pages were found, not allocated.
             pages = len(new.block_ids) - new.num_computed_tokens // bs
             pending.setdefault(new.req_id, []).append(
-                (st, n[new.req_id], pages, new.num_computed_tokens, True))
+                new_step_entry(StepEntry, (st, n[new.req_id], pages, new.num_computed_tokens, True)))
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
-            pending.setdefault(req_id, []).append((st, n[req_id], len(blocks), computed, False))
+            pending.setdefault(req_id, []).append(
+                new_step_entry(StepEntry, (st, n[req_id], len(blocks), computed, False)))
         return st
 
     def dispatched(self, st: StepTrace | None) -> None:
@@ -117,9 +121,9 @@ class StepTracer:
         pending = self.pending
         for out in outputs:
             entries = pending.pop(out.req_id, None)
-            if entries and entries[-1][0].step > st.step:
-                later = [e for e in entries if e[0].step > st.step]
-                entries = [e for e in entries if e[0].step <= st.step]
+            if entries and entries[-1].trace.step > st.step:
+                later = [e for e in entries if e.trace.step > st.step]
+                entries = [e for e in entries if e.trace.step <= st.step]
                 if out.finish_reason is None:
                     # Async scheduling: a later step is already in flight; its entry waits.
                     # A finished request's in-flight step yields no output: forget it.
@@ -131,7 +135,7 @@ class StepTracer:
         for r in [req_ids] if isinstance(req_ids, str) else req_ids:
             self.pending.pop(r, None)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> StepStats:
         """Live counters: steps so far, mean time between steps and batch size over the recent
         ones, programs compiled while serving."""
         recent = self.recent
@@ -139,5 +143,4 @@ class StepTracer:
         if len(recent) > 1:
             step_time = (recent[-1].done - recent[0].done) / (len(recent) - 1)
         batch = sum(s.batch_size for s in recent) / len(recent) if recent else 0.0
-        return {"num_steps": self.num_steps, "step_time_s": step_time, "batch_size": batch,
-                "num_compiles": self.num_compiles, "compile_s": self.compile_s}
+        return StepStats(self.num_steps, step_time, batch, self.num_compiles, self.compile_s)

@@ -17,34 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.config import ParallelConfig
+from jaxserve.config import DistributedSettings, ParallelConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DistributedSettings:
-    coordinator_address: str | None
-    num_processes: int
-    process_id: int
-
-
-def distributed_settings(pc: ParallelConfig) -> DistributedSettings:
-    """Flags first, then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""
-    return DistributedSettings(*pc.distributed())
-
-
 def initialize_distributed(pc: ParallelConfig) -> DistributedSettings:
     """Join the process group once (no-op for one process)."""
-    s = distributed_settings(pc)
+    s = pc.distributed()
     if s.num_processes > 1 and not jax.distributed.is_initialized():
         if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
             # CPU collectives across processes go through gloo.

@@ -8,8 +8,8 @@ import time
 from jaxserve.api_server.symptoms import ServerFacts, diagnose
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.trace_store import TraceStore
-from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.engine_core.stats import SchedulerStats, StepStats
+from jaxserve.engine_core.step_trace import StepEntry, StepTrace
 from jaxserve.request_trace import RequestTrace
 
 FACTS = ServerFacts(max_num_seqs=4, max_num_batched_tokens=512)
@@ -27,7 +27,7 @@ def finished_trace(store: TraceStore, rid: str, *, queue_s: float = 0.0, ttft_s:
     for k in range(prefill_steps):
         st = StepTrace(k + 1, t0 + queue_s, t0 + queue_s, 1, 64, num_compiles=compiles,
                        compile_s=0.4 * compiles)
-        t.add_steps([(st, 64, 4, 64 * k, k == 0)])
+        t.add_steps([StepEntry(st, 64, 4, 64 * k, k == 0)])
     if preempted:
         t.add("kv_cache_manager", "preempted", t0 + ttft_s)
     t.add("engine_core", "first_token", t0 + ttft_s - lag_s)
@@ -65,7 +65,7 @@ def test_each_symptom_names_its_box() -> None:
         for i in range(4):
             finished_trace(store, f"{box}-{i}", **shape)
         if box == "model_runner":  # the engines report what compiled (traces repeat it per request)
-            counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 3, "compile_s": 1.2}))
+            counters.record_scheduler_stats(SchedulerStats(step_stats=StepStats(num_compiles=3, compile_s=1.2)))
         found = diagnose(store, counters, FACTS)
         assert boxes(found) == [box], (box, found)
         assert all(f["evidence"] and f["advice"] for f in found)
@@ -83,11 +83,11 @@ def test_live_counters_alone_are_evidence() -> None:
     assert boxes(found) == ["scheduler", "kv_cache_manager"]
     eager = ServerFacts(4, 512, enforce_eager=True)
     counters = ServerMetrics("m")
-    counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 5, "compile_s": 2.0}))
+    counters.record_scheduler_stats(SchedulerStats(step_stats=StepStats(num_compiles=5, compile_s=2.0)))
     [f] = diagnose(TraceStore(), counters, eager)
     assert f["box"] == "model_runner" and "--enforce-eager" in f["advice"]
     assert diagnose(TraceStore(), counters, eager, now=time.time() + 120) == []  # a minute later
     # One quick first-use compile (a grammar's masked sampler, ~0.1 s) is not a symptom.
     counters = ServerMetrics("m")
-    counters.record_scheduler_stats(SchedulerStats(step_stats={"num_compiles": 1, "compile_s": 0.1}))
+    counters.record_scheduler_stats(SchedulerStats(step_stats=StepStats(num_compiles=1, compile_s=0.1)))
     assert diagnose(TraceStore(), counters, FACTS) == []

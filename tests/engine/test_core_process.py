@@ -18,9 +18,11 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.request import InvalidRequestError
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
@@ -80,8 +82,8 @@ def engine():
 
 
 def add(req_id: str, n_prompt: int = 5, **params) -> list:
-    return EngineCoreRequest(req_id, list(range(10, 10 + n_prompt)),
-                             SamplingParams(**params), time.monotonic()).to_list()
+    return encode_record(EngineCoreRequest(req_id, list(range(10, 10 + n_prompt)),
+                                         SamplingParams(**params), time.monotonic()))
 
 
 def collect(recv, until_finished: set[str]) -> tuple[dict[str, list[int]], SchedulerStats]:
@@ -90,7 +92,7 @@ def collect(recv, until_finished: set[str]) -> tuple[dict[str, list[int]], Sched
     while until_finished:
         kind, payload = recv()
         assert kind == EngineCoreMessageType.OUTPUTS
-        stats = SchedulerStats.from_dict(payload["stats"])
+        stats = decode_record(SchedulerStats, payload["stats"])
         for d in payload["outputs"]:
             out = EngineCoreOutput.from_dict(d)
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
@@ -106,7 +108,7 @@ def test_add_generates_and_reports_stats(engine) -> None:
     assert tokens == {"a": [TOKEN] * 3, "b": [TOKEN] * 5}
     # Going idle, the loop sends the final gauges: nothing running, no pages held.
     kind, payload = recv()
-    stats = SchedulerStats.from_dict(payload["stats"])
+    stats = decode_record(SchedulerStats, payload["stats"])
     assert kind == EngineCoreMessageType.OUTPUTS and payload["outputs"] == []
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
 
@@ -123,7 +125,7 @@ def test_abort_frees_pages_and_bad_requests_are_reported(engine) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         kind, payload = recv()
-        stats = SchedulerStats.from_dict(payload["stats"])
+        stats = decode_record(SchedulerStats, payload["stats"])
         if payload["outputs"] == [] and stats.num_running_reqs == 0:
             break
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
@@ -144,11 +146,19 @@ def test_request_round_trips_through_msgpack() -> None:
     params = SamplingParams(n=1, temperature=0.5, stop=["x", "yz"], stop_token_ids=[3], seed=9,
                             logprobs=2, top_k=5)
     req = EngineCoreRequest("r", [1, 2, 3], params, 12.5, priority=3, cache_salt="s")
-    frame = encode(EngineCoreRequestType.ADD, [req.to_list()])
+    frame = encode(EngineCoreRequestType.ADD, [encode_record(req)])
     kind, payload = decode(frame)
     assert kind == EngineCoreRequestType.ADD
-    assert EngineCoreRequest.from_list(payload[0]) == req
+    assert EngineCoreRequest.decode(payload[0]) == req
     assert isinstance(msgpack.unpackb(frame), list)
+    # A record of the wrong length names its class and fields; bad parameters are the
+    # request's fault.
+    with pytest.raises(InvalidRequestError, match=r"EngineCoreRequest record has 6 fields"):
+        EngineCoreRequest.decode(payload[0][:5])
+    bad = encode_record(req)
+    bad[2][4] = -1.0  # temperature
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        EngineCoreRequest.decode(bad)
 
 
 def test_api_server_imports_without_jax() -> None:

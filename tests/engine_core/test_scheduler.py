@@ -7,6 +7,7 @@ from jaxserve.config import SchedulingPolicy
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import RequestStatus
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.outputs import FinishReason
 
 from .helpers import (
@@ -447,7 +448,8 @@ def test_stats_snapshot_resets_deltas():
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_preemptions) == (1, 1, 1)
     assert stats.kv_cache_usage == 0.75
     assert sched.make_stats().num_preemptions == 0
-    assert type(stats).from_dict(stats.to_dict()) == stats
+    wire = msgpack.unpackb(msgpack.packb(encode_record(stats)))
+    assert decode_record(type(stats), wire) == stats
 
 
 def test_engine_core_output_survives_msgpack():

@@ -112,7 +112,7 @@ def test_tracing_off_records_nothing_but_counts_steps() -> None:
                       request_tracing=False)
     traces = traced_run(core, [make_request("x", 20, max_tokens=3)], False)
     assert traces["x"].steps == [] and core.tracer.pending == {}
-    assert core.get_stats().step_stats["num_steps"] == 0
+    assert core.get_stats().step_stats.num_steps == 0
 
 
 def test_requests_ending_with_a_step_in_flight_leave_nothing_behind() -> None:

@@ -1,0 +1,39 @@
+"""The one codec for records crossing the ZeroMQ socket (jaxserve/engine_core/wire.py): every
+record type the two processes exchange survives msgpack, nested records included, and a
+record of the wrong shape is a ValueError naming its class and fields."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from jaxserve.engine.messages import EngineCoreRequest, EngineReady
+from jaxserve.engine_core.spec_decode import SpecDecodingStats
+from jaxserve.engine_core.stats import PrefixCacheStats, SchedulerStats, StepStats
+from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.engine_core.wire import decode_record, encode_record
+from jaxserve.sampling_params import SamplingParams
+
+RECORDS = [
+    EngineCoreRequest("r", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=9),
+                      12.5, priority=3, cache_salt="s"),
+    EngineReady(100, 16, 2048, 49152, 64, {"load_s": 1.5, "compile_s": 20.0}),
+    StepTrace(7, 1.0, 1.1, 4, 64, 1.2, 1.3, 1.5, 1.6, 0.01, 1, 0.5),
+    SchedulerStats(3, 1, 0.25, PrefixCacheStats(2, 100, 40), 1,
+                   StepStats(10, 0.02, 3.5, 1, 0.5), SpecDecodingStats(3, 4, 12, 7, [3, 2, 2])),
+    SchedulerStats(),  # optional nested records absent
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_records_survive_msgpack(record) -> None:
+    wire = msgpack.unpackb(msgpack.packb(encode_record(record)), raw=False)
+    assert isinstance(wire, list)
+    assert decode_record(type(record), wire) == record
+
+
+def test_a_record_of_the_wrong_shape_names_its_class_and_fields() -> None:
+    with pytest.raises(ValueError, match=r"a StepTrace record has 12 fields \(step, "):
+        decode_record(StepTrace, [1, 2, 3])
+    with pytest.raises(ValueError, match="EngineReady record"):
+        decode_record(EngineReady, {"num_blocks": 1})

@@ -19,6 +19,7 @@ from jaxserve.engine.build import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
 from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.processor import Processor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import load_tokenizer
@@ -50,6 +51,9 @@ class LLM:
         self.engine_core = built.core
         self.config = built.config
         self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
+        # The checks shared with the API server (jaxserve/engine/processor.py).
+        self.processor = Processor(self.config.scheduler_config.max_model_len,
+                                   built.worker.arch.vocab_size, frozenset(self._model_eos))
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:
@@ -128,21 +132,9 @@ class LLM:
             token_ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
         else:
             token_ids, text = self.tokenizer(prompt).input_ids, prompt
-        max_len = self.config.scheduler_config.max_model_len
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len} "
-                "(it must leave room for at least one output token)"
-            )
-        vocab = self.engine.worker.arch.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
-        if any(tok >= vocab for tok, _ in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        self.processor.check_prompt(token_ids, None)  # offline, max_tokens caps at the context
+        params = self.processor.check_params(params)
         request_id = str(next(self._counter))
-        params = params.with_model_eos(self._model_eos)
         for cid, p in self.output_processor.add_request(request_id, text, token_ids, params):
             self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority))
         return request_id

@@ -5,6 +5,8 @@
   sampling params, user-facing outputs and traces) never import JAX, jaxlib or Flax.
 - The engine core never imports the worker or the models: it reaches them only
   through SchedulerOutput / ModelRunnerOutput.
+- The API server reaches the engine core through jaxserve/engine (clients, input processor);
+  of the engine core it reads only the records a step sends back (outputs, stats).
 - kernels_pallas never imports jaxserve.
 
 The AST check sees direct imports (also relative ones, also under
@@ -22,7 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_processor"]
+HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_processor",
+                    "processor", "arg_utils"]
 JAX_FREE = [
     "jaxserve/engine_core",
     "jaxserve/api_server",
@@ -114,6 +117,17 @@ def test_engine_core_does_not_import_worker_or_models():
         return any(mod == f or mod.startswith(f + ".") for f in ENGINE_CORE_FORBIDDEN)
 
     assert violations(["jaxserve/engine_core"], forbidden) == []
+
+
+API_SERVER_MAY_READ = ("jaxserve.engine_core.core_outputs", "jaxserve.engine_core.stats")
+
+
+def test_api_server_reads_only_the_engine_cores_records():
+    def forbidden(mod: str) -> bool:
+        return mod.startswith("jaxserve.engine_core") and not any(
+            mod == m or mod.startswith(m + ".") for m in API_SERVER_MAY_READ)
+
+    assert violations(["jaxserve/api_server"], forbidden) == []
 
 
 def test_kernels_do_not_import_jaxserve():

@@ -9,7 +9,6 @@ error id, logged once with the id (traceback at debug level).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import uuid
@@ -35,7 +34,7 @@ from jaxserve.api_server.protocol import (
 )
 from jaxserve.api_server.metrics import ServerMetrics
 from jaxserve.api_server.trace_store import TraceStore
-from jaxserve.engine_core.structured_output import grammar_text
+from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
@@ -77,6 +76,8 @@ def error_from_exception(e: BaseException, where: str = "request") -> OpenAIErro
     engine's refusal of a request are the request's fault; a bug is logged here, once."""
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, InvalidInputError):
+        return OpenAIError(str(e), HTTPStatus.BAD_REQUEST, e.param)
     if isinstance(e, RequestRejectedError):
         return OpenAIError(str(e), HTTPStatus.BAD_REQUEST)
     if isinstance(e, EngineDeadError):
@@ -87,15 +88,6 @@ def error_from_exception(e: BaseException, where: str = "request") -> OpenAIErro
     logger.debug("error id %s", error_id, exc_info=e)
     return OpenAIError(f"internal server error (error id {error_id})",
                        HTTPStatus.INTERNAL_SERVER_ERROR)
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams' messages start with the field name ("top_p must be ...")."""
-    word = message.split(" ", 1)[0]
-    return word if word in _FIELD_NAMES else None
-
-
-_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages", "max_tokens"}
 
 
 def sse(data: str) -> str:
@@ -143,10 +135,14 @@ class ServingContext:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize"))
     max_token_chars: int = 0  # longest_token_chars(tokenizer), computed when 0
+    # The checks shared with the offline LLM (jaxserve/engine/processor.py).
+    processor: Processor = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
             self.max_token_chars = longest_token_chars(self.tokenizer)
+        self.processor = Processor(self.max_model_len, self.vocab_size,
+                                   self.model_eos_token_ids, self.max_logprobs)
 
     @property
     def model_name(self) -> str:
@@ -187,22 +183,10 @@ class ServingContext:
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """Validate the prompt's length against max_model_len; returns max_tokens
         (None: as many as fit, as vLLM does for chat)."""
-        n, limit = len(token_ids), self.max_model_len
-        if n == 0:
-            raise OpenAIError("prompt is empty", param="prompt")
-        if n >= limit:
-            raise OpenAIError(
-                f"prompt has {n} tokens but max_model_len is {limit} (it must leave room for at "
-                "least one output token)", param="prompt")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise OpenAIError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        if max_tokens is None:
-            return limit - n
-        if n + max_tokens > limit:
-            raise OpenAIError(
-                f"prompt has {n} tokens and max_tokens is {max_tokens}, but max_model_len is "
-                f"{limit}: lower max_tokens to at most {limit - n}", param="max_tokens")
-        return max_tokens
+        try:
+            return self.processor.check_prompt(token_ids, max_tokens)
+        except InvalidInputError as e:
+            raise OpenAIError(str(e), param=e.param) from None
 
     async def structured_outputs(self, request: SamplingRequestFields) -> tuple[str, str] | None:
         """(kind, spec) from response_format / structured_outputs / guided_*, checked by
@@ -242,10 +226,9 @@ class ServingContext:
         """(kind, spec) once its grammar compiles (off the event loop); a 400 naming `param`
         if it does not."""
         try:
-            await self.off_loop(grammar_text, kind, spec)
-        except ValueError as e:
-            raise OpenAIError(str(e), param=param) from None
-        return kind, spec
+            return await self.off_loop(self.processor.check_grammar, kind, spec, param)
+        except InvalidInputError as e:
+            raise OpenAIError(str(e), param=e.param) from None
 
     def sampling_params(self, request: SamplingRequestFields, max_tokens: int,
                         logprobs: int | None, prompt_logprobs: int | None = None,
@@ -254,16 +237,10 @@ class ServingContext:
         logit_bias = {}
         for key, value in (request.logit_bias or {}).items():
             # OpenAI's JSON keys are token ids as strings.
-            if not key.isdigit() or int(key) >= self.vocab_size:
+            if not key.isdigit():
                 raise OpenAIError(f"logit_bias keys must be token ids in [0, {self.vocab_size}), "
                                   f"got {key!r}", param="logit_bias")
             logit_bias[int(key)] = value
-        if request.top_k is not None and request.top_k > self.vocab_size:
-            raise OpenAIError(f"top_k must be at most the vocabulary size ({self.vocab_size}), "
-                              f"got {request.top_k}", param="top_k")
-        if any(t >= self.vocab_size for t in request.stop_token_ids or ()):
-            raise OpenAIError(f"stop_token_ids must be in [0, {self.vocab_size})",
-                              param="stop_token_ids")
         kwargs: dict[str, Any] = dict(
             n=request.n, max_tokens=max_tokens, logprobs=logprobs, seed=request.seed,
             stop=request.stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
@@ -271,10 +248,6 @@ class ServingContext:
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
         )
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and value > self.max_logprobs:
-                raise OpenAIError(f"{name} must be at most {self.max_logprobs} "
-                                  f"(--max-logprobs), got {value}", param=name)
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                         presence_penalty=request.presence_penalty,
@@ -282,9 +255,9 @@ class ServingContext:
         kwargs.update(self.default_sampling)  # the model's defaults, then the request's own
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         try:
-            return SamplingParams(**kwargs).with_model_eos(self.model_eos_token_ids)
-        except ValueError as e:
-            raise OpenAIError(str(e), param=_param_of(str(e))) from None
+            return self.processor.make_params(**kwargs)
+        except InvalidInputError as e:
+            raise OpenAIError(str(e), param=e.param) from None
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool = False,

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 from prometheus_client import generate_latest
 
 from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.models.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 from jaxserve.serve import (
     engine_config_from_args,
@@ -112,9 +114,9 @@ def test_stat_logger_line() -> None:
                    'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
                    'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
         assert sample in text, sample
-    # The stats survive the trip from the engine-core process (msgpack of to_dict()).
-    assert SchedulerStats.from_dict(SchedulerStats(spec_decoding_stats=spec).to_dict()
-                                    ).spec_decoding_stats == spec
+    # The stats survive the trip from the engine-core process (jaxserve/engine_core/wire.py).
+    wire = msgpack.unpackb(msgpack.packb(encode_record(SchedulerStats(spec_decoding_stats=spec))))
+    assert decode_record(SchedulerStats, wire).spec_decoding_stats == spec
 
 
 def test_generation_defaults_and_chat_template_sources(tmp_path) -> None:

@@ -1,0 +1,97 @@
+"""Input processing (vLLM's `Processor`): one place that checks a request against the served
+model and builds its `SamplingParams`, for the offline `LLM` and the API server alike.
+
+The checks here need the served model (its context length, vocabulary, EOS ids, grammar
+engine); what a field may hold on its own is `SamplingParams`' to say. A refusal is an
+`InvalidInputError`: a ValueError naming the field, which the server sends as a 400. JAX-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.engine_core.structured_output import grammar_text
+from jaxserve.sampling_params import SamplingParams
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class InvalidInputError(ValueError):
+    """A request field the served model cannot take; `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Processor:
+    """The served model's limits, and the checks of a request against them."""
+
+    max_model_len: int
+    vocab_size: int
+    model_eos_token_ids: frozenset[int] = frozenset()  # besides the tokenizer's own
+    max_logprobs: int = 20  # --max-logprobs
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """The prompt against max_model_len and the vocabulary; returns max_tokens (None: as
+        many as fit, as vLLM does for chat)."""
+        n, limit = len(token_ids), self.max_model_len
+        if n == 0:
+            raise InvalidInputError("prompt is empty", "prompt")
+        if n >= limit:
+            raise InvalidInputError(
+                f"prompt has {n} tokens but max_model_len is {limit} (it must leave room for at "
+                "least one output token)", "prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidInputError(f"prompt token ids must be in [0, {self.vocab_size})",
+                                    "prompt")
+        if max_tokens is None:
+            return limit - n
+        if n + max_tokens > limit:
+            raise InvalidInputError(
+                f"prompt has {n} tokens and max_tokens is {max_tokens}, but max_model_len is "
+                f"{limit}: lower max_tokens to at most {limit - n}", "max_tokens")
+        return max_tokens
+
+    def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
+        """(kind, spec) once its grammar compiles; refused naming `param` if it does not
+        (slow for a large schema: the server calls it off its event loop)."""
+        try:
+            grammar_text(kind, spec)
+        except ValueError as e:
+            raise InvalidInputError(str(e), param) from None
+        return kind, spec
+
+    def make_params(self, **kwargs: Any) -> SamplingParams:
+        """SamplingParams checked against the model (vocabulary, --max-logprobs), with the
+        model's EOS ids as stop tokens."""
+        return self.check_params(self._build(kwargs))
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` checked against the model, with the model's EOS ids added."""
+        vocab = self.vocab_size
+        if any(not 0 <= tok < vocab for tok, _ in params.logit_bias):
+            raise InvalidInputError(f"logit_bias keys must be token ids in [0, {vocab})",
+                                    "logit_bias")
+        if params.top_k > vocab:
+            raise InvalidInputError(f"top_k must be at most the vocabulary size ({vocab}), "
+                                    f"got {params.top_k}", "top_k")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidInputError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidInputError(f"{name} must be at most {self.max_logprobs} "
+                                        f"(--max-logprobs), got {value}", name)
+        return params.with_model_eos(self.model_eos_token_ids)
+
+    @staticmethod
+    def _build(kwargs: dict[str, Any]) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field
+            raise InvalidInputError(str(e), word if word in _FIELD_NAMES else None) from None

@@ -1,0 +1,48 @@
+"""The input processor (jaxserve/engine/processor.py): one set of checks of a request against
+the served model, shared by the offline LLM and the API server; each refusal names its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine.processor import InvalidInputError, Processor
+from jaxserve.sampling_params import SamplingParams
+
+P = Processor(max_model_len=100, vocab_size=1000, model_eos_token_ids=frozenset({7}),
+              max_logprobs=5)
+
+
+def refused(fn, *args, **kwargs) -> InvalidInputError:
+    with pytest.raises(InvalidInputError) as e:
+        fn(*args, **kwargs)
+    assert isinstance(e.value, ValueError)  # offline: a ValueError
+    return e.value
+
+
+def test_prompts_against_the_context_and_the_vocabulary() -> None:
+    assert P.check_prompt([1, 2, 3], None) == 97  # as many as fit
+    assert P.check_prompt([1, 2, 3], 97) == 97
+    cases = [([], None, "prompt", "prompt is empty"),
+             (list(range(100)), None, "prompt", "prompt has 100 tokens but max_model_len is 100"),
+             ([1, 1000], None, "prompt", "prompt token ids must be in [0, 1000)"),
+             ([1, 2], 99, "max_tokens", "lower max_tokens to at most 98")]
+    for ids, max_tokens, param, message in cases:
+        e = refused(P.check_prompt, ids, max_tokens)
+        assert e.param == param and message in str(e)
+
+
+def test_sampling_params_against_the_model() -> None:
+    params = P.make_params(temperature=0.5, stop_token_ids=[3])
+    assert set(params.stop_token_ids) == {3, 7}  # the model's EOS ids stop it too
+    for kwargs, param in [({"logit_bias": {1000: 1.0}}, "logit_bias"), ({"top_k": 1001}, "top_k"),
+                          ({"stop_token_ids": [1000]}, "stop_token_ids"),
+                          ({"logprobs": 6}, "logprobs"), ({"prompt_logprobs": 6}, "prompt_logprobs"),
+                          ({"temperature": -1.0}, "temperature")]:
+        assert refused(P.make_params, **kwargs).param == param
+    assert P.check_params(SamplingParams(logprobs=5)).logprobs == 5
+
+
+def test_grammars_are_compiled_before_the_request_is_taken() -> None:
+    assert P.check_grammar("regex", "[a-z]+", "structured_outputs") == ("regex", "[a-z]+")
+    e = refused(P.check_grammar, "json", "{not json", "response_format")
+    assert e.param == "response_format"

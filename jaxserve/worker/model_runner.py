@@ -48,7 +48,13 @@ from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_
 from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs
 from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import sampler_packing, sampling_inputs, verify_inputs
-from jaxserve.worker.step_handle import CompileMonitor, PromptLogprobRows, StepFacts, StepHandle
+from jaxserve.worker.step_handle import (
+    CompileMonitor,
+    PreparedStep,
+    PromptLogprobRows,
+    StepFacts,
+    StepHandle,
+)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
@@ -256,9 +262,24 @@ class ModelRunner:
         """Update the batch from `so`, dispatch the step and return without waiting."""
         compiles, compile_s = CompileMonitor.count, CompileMonitor.seconds
         self._update_batch(so)
+        step = self._prepare(so)
+        if step is None:
+            return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
+        hidden, prompt_out = self._run_forward(step)
+        out = self._run_sampler(step, hidden, self._grammar_bitmask(so, step))
+        facts = StepFacts(self.sample_time_s.get((step.R, step.mode, step.verify), 0.0),
+                          CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
+        n, per_req = len(step.req_ids), step.per_req
+        first_pos = step.inp.kv_lens[:n] - (0 if per_req is None else per_req - 1)
+        return StepHandle(self, step.req_ids, step.samples, out,
+                          self.batch.num_logprobs[step.slots].copy(), prompt_out, facts, per_req,
+                          (step.slots, first_pos) if self.record_sampled else None)
+
+    def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
+        """The step's padded inputs, its buckets and its sampler inputs (None: nothing runs)."""
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
+            return None
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
         T = pad_to_bucket(int(num_sched.sum()), self.token_buckets)
         spec = so.scheduled_spec_decode_tokens
@@ -274,34 +295,41 @@ class ModelRunner:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
             R = pad_to_bucket(len(req_ids), self.request_buckets)
             md, mode = sampling_inputs(self.batch, slots, samples, inp.kv_lens[: len(req_ids)], R)
-        prompt = self._prompt_rows(req_ids, slots, inp, T)
-        hidden = self._forward(inp, all_rows=prompt is not None)
-        prompt_out = None
-        if prompt is not None:
-            # Compiled on first use (a rare request kind; warm-up does not cover it).
-            hidden, every_token = hidden
-            targets, rows = prompt
-            prompt_out = (self._prompt_lp(self.params, every_token, targets), rows)
-        bitmask = None
-        if so.grammar_bitmask:
-            # Compiled on first use, like prompt logprobs: a program variant with the mask.
-            words = -(-self.model.cfg.vocab_size // 32)
-            bitmask = np.full((R, words), -1, np.int32)  # rows without a grammar: all allowed
-            first_rows = np.arange(len(req_ids)) if per_req is None else np.cumsum(per_req) - per_req
-            for i, r in zip(first_rows.tolist(), req_ids):
-                if r in so.grammar_bitmask:  # (a request with a grammar has no drafts)
-                    bitmask[i] = so.grammar_bitmask[r][:words]
+        return PreparedStep(req_ids, inp, slots, samples, T, R, mode, md, per_req,
+                            self._prompt_rows(req_ids, slots, inp, T))
+
+    def _run_forward(self, step: PreparedStep) -> tuple[Any, Any]:
+        """Dispatch the forward; (the sampled rows' hidden states, prompt logprobs or None)."""
+        hidden = self._forward(step.inp, all_rows=step.prompt is not None)
+        if step.prompt is None:
+            return hidden, None
+        # Compiled on first use (a rare request kind; warm-up does not cover it).
+        hidden, every_token = hidden
+        targets, rows = step.prompt
+        return hidden, (self._prompt_lp(self.params, every_token, targets), rows)
+
+    def _grammar_bitmask(self, so: SchedulerOutput, step: PreparedStep) -> np.ndarray | None:
+        """The step's allowed-token words per sampled row (None without a grammar)."""
+        if not so.grammar_bitmask:
+            return None
+        words = -(-self.model.cfg.vocab_size // 32)
+        bitmask = np.full((step.R, words), -1, np.int32)  # rows without a grammar: all allowed
+        per_req, n = step.per_req, len(step.req_ids)
+        first_rows = np.arange(n) if per_req is None else np.cumsum(per_req) - per_req
+        for i, r in zip(first_rows.tolist(), step.req_ids):
+            if r in so.grammar_bitmask:  # (a request with a grammar has no drafts)
+                bitmask[i] = so.grammar_bitmask[r][:words]
+        return bitmask
+
+    def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
+        """Dispatch the sampler (or the verification sampler); its device outputs."""
         # NOTE: no bitmask argument at all without one: an explicit None would be another
-        # call signature to jit, and compile again what warm-up compiled.
+        # call signature to jit, and compile again what warm-up compiled. With one, the
+        # program variant is compiled on first use, like prompt logprobs.
         self.last_sampled, self.penalties, out = self._sample(
-            R, mode, per_req is not None, self.params, hidden, self.last_sampled, self.penalties,
-            md, *(() if bitmask is None else (bitmask,)))
-        facts = StepFacts(self.sample_time_s.get((R, mode, per_req is not None), 0.0),
-                          CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
-        first_pos = inp.kv_lens[: len(req_ids)] - (0 if per_req is None else per_req - 1)
-        return StepHandle(self, req_ids, samples, out, self.batch.num_logprobs[slots].copy(),
-                          prompt_out, facts, per_req,
-                          (slots, first_pos) if self.record_sampled else None)
+            step.R, step.mode, step.verify, self.params, hidden, self.last_sampled,
+            self.penalties, step.sampler_inputs, *(() if bitmask is None else (bitmask,)))
+        return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()

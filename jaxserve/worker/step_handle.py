@@ -51,6 +51,26 @@ class StepFacts:
     compile_s: float = 0.0
 
 
+@dataclass
+class PreparedStep:
+    """One step between its phases (ModelRunner: prepare -> forward -> sampler -> handle)."""
+
+    req_ids: list[str]  # the scheduled requests, in batch order
+    inp: Any  # StepInputs: padded token ids, positions, slot mapping, pages, ...
+    slots: np.ndarray  # each request's batch slot
+    samples: np.ndarray  # whether each request samples a token this step
+    T: int  # the token bucket
+    R: int  # the sampled-rows bucket
+    mode: Any  # SamplerMode
+    sampler_inputs: np.ndarray  # the sampler's packed per-row inputs
+    per_req: np.ndarray | None  # rows per request in a verification step (None: one each)
+    prompt: tuple[Any, list[Any]] | None  # prompt-logprob targets and rows, if any asked
+
+    @property
+    def verify(self) -> bool:
+        return self.per_req is not None
+
+
 class StepHandle:
     """A dispatched step; `result()` waits for its tokens (the only device sync)."""
 

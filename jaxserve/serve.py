@@ -16,7 +16,7 @@ import socket
 import sys
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.arg_utils import EngineArgs, human_readable_int, json_object  # noqa: F401
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.models.model_files import resolve_model

@@ -32,18 +32,19 @@ def _schema(cls: type) -> tuple[tuple[str, type | None], ...]:
 
 
 @functools.cache
-def _getter(cls: type) -> tuple[operator.attrgetter, bool]:
-    """All fields at once (one C call per record), and whether any field nests a record."""
+def _getter(cls: type) -> tuple[Any, bool]:
+    """All fields at once (one C call per record, always a tuple), and whether any field
+    nests a record."""
     schema = _schema(cls)
-    return operator.attrgetter(*(n for n, _ in schema)), any(t for _, t in schema)
+    names = [n for n, _ in schema]
+    get = operator.attrgetter(*names) if len(names) > 1 else lambda r: (getattr(r, names[0]),)
+    return get, any(t for _, t in schema)
 
 
 def encode_record(record: Any) -> list[Any]:
     """`record`'s field values in order, nested records encoded alike."""
     get, nests = _getter(type(record))
     values = get(record)
-    if len(_schema(type(record))) == 1:
-        values = (values,)
     if not nests:
         return list(values)
     return [encode_record(v) if t is not None and v is not None else v

@@ -31,6 +31,7 @@ class StageTimeline:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._events: list[tuple[str, int]] = []  # ("dispatch" | "read", step ordinal)
+        self._count = {"dispatch": 0, "read": 0}
         self._stop = threading.Event()
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -44,8 +45,7 @@ class StageTimeline:
         read = runner._to_output  # a step's first read of its tokens (steps read in order)
 
         def reading(*args: Any, **kwargs: Any) -> Any:
-            with timeline._lock:
-                timeline._events.append(("read", sum(e == "read" for e, _ in timeline._events) + 1))
+            timeline._record("read")
             return read(*args, **kwargs)
 
         runner._to_output = reading
@@ -54,9 +54,13 @@ class StageTimeline:
     def observe(self, step: int, stage: int, output: Any) -> None:
         with self._lock:
             self._pending.append((step, stage, output))
-            if stage == 0:
-                n = sum(e == "dispatch" for e, _ in self._events) + 1
-                self._events.append(("dispatch", n))
+        if stage == 0:
+            self._record("dispatch")
+
+    def _record(self, kind: str) -> None:
+        with self._lock:
+            self._count[kind] += 1
+            self._events.append((kind, self._count[kind]))
 
     def dispatched_ahead(self) -> list[int]:
         """Step ordinals k whose successor k + 1 was dispatched before step k's tokens were

@@ -47,14 +47,10 @@ from jaxserve.worker.packing import Packing
 from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_programs
 from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs
 from jaxserve.worker.rejection_sampler import rejection_sample
-from jaxserve.worker.sampler_inputs import sampler_packing, sampling_inputs, verify_inputs
-from jaxserve.worker.step_handle import (
-    CompileMonitor,
-    PreparedStep,
-    PromptLogprobRows,
-    StepFacts,
-    StepHandle,
-)
+from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
+                                            verify_inputs)
+from jaxserve.worker.step_handle import (CompileMonitor, PreparedStep, PromptLogprobRows,
+                                         StepFacts, StepHandle)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
@@ -266,7 +262,9 @@ class ModelRunner:
         if step is None:
             return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
         hidden, prompt_out = self._run_forward(step)
-        out = self._run_sampler(step, hidden, self._grammar_bitmask(so, step))
+        bitmask = grammar_bitmask(so.grammar_bitmask, step.req_ids, step.per_req, step.R,
+                                  self.model.cfg.vocab_size)
+        out = self._run_sampler(step, hidden, bitmask)
         facts = StepFacts(self.sample_time_s.get((step.R, step.mode, step.verify), 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         n, per_req = len(step.req_ids), step.per_req
@@ -307,19 +305,6 @@ class ModelRunner:
         hidden, every_token = hidden
         targets, rows = step.prompt
         return hidden, (self._prompt_lp(self.params, every_token, targets), rows)
-
-    def _grammar_bitmask(self, so: SchedulerOutput, step: PreparedStep) -> np.ndarray | None:
-        """The step's allowed-token words per sampled row (None without a grammar)."""
-        if not so.grammar_bitmask:
-            return None
-        words = -(-self.model.cfg.vocab_size // 32)
-        bitmask = np.full((step.R, words), -1, np.int32)  # rows without a grammar: all allowed
-        per_req, n = step.per_req, len(step.req_ids)
-        first_rows = np.arange(n) if per_req is None else np.cumsum(per_req) - per_req
-        for i, r in zip(first_rows.tolist(), step.req_ids):
-            if r in so.grammar_bitmask:  # (a request with a grammar has no drafts)
-                bitmask[i] = so.grammar_bitmask[r][:words]
-        return bitmask
 
     def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
         """Dispatch the sampler (or the verification sampler); its device outputs."""

@@ -80,3 +80,19 @@ def verify_inputs(b: InputBatch, inp: StepInputs, slots: np.ndarray, samples: np
     group_first[: len(group)] = first[group]
     return sampling_inputs(b, slots[group], samples[group], positions, R,
                            {"draft_ids": draft_ids, "group_first": group_first})
+
+
+def grammar_bitmask(masks: dict[str, Any], req_ids: list[str], per_req: np.ndarray | None,
+                    num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """The step's allowed-token words per sampled row, from the engine core's per-request
+    grammar masks (None without any: the sampler then runs without a mask argument)."""
+    if not masks:
+        return None
+    words = -(-vocab_size // 32)
+    bitmask = np.full((num_rows, words), -1, np.int32)  # rows without a grammar: all allowed
+    n = len(req_ids)
+    first_rows = np.arange(n) if per_req is None else np.cumsum(per_req) - per_req
+    for i, r in zip(first_rows.tolist(), req_ids):
+        if r in masks:  # (a request with a grammar has no drafts)
+            bitmask[i] = masks[r][:words]
+    return bitmask

@@ -20,13 +20,8 @@ from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.models.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from jaxserve.serve import (
-    engine_config_from_args,
-    human_readable_int,
-    json_list,
-    make_arg_parser,
-    read_chat_template,
-)
+from jaxserve.engine.arg_utils import human_readable_int
+from jaxserve.serve import engine_config_from_args, json_list, make_arg_parser, read_chat_template
 
 from .server_utils import ROOT
 

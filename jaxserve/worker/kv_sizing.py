@@ -92,6 +92,19 @@ def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight
             f"Try {KNOBS}.")
 
 
+def refuse_too_few_pages(num_pages: int, page_size: int, max_model_len: int, given_by: str,
+                         knob: str) -> None:
+    """A cache whose size the user set (`given_by`, turned with `knob`) must hold one
+    max_model_len sequence and the null page."""
+    need = -(-max_model_len // page_size) + 1
+    if num_pages < need:
+        fits = max(num_pages - 1, 0) * page_size
+        raise InsufficientMemoryError(
+            f"kv_cache_manager: {given_by} gives the KV cache {num_pages} pages of {page_size} "
+            f"tokens, but one request of max_model_len={max_model_len} needs {need}; the "
+            f"largest max_model_len that fits is {fits}. Raise {knob} or lower --max-model-len.")
+
+
 def plan_kv_cache(
     *, device: str, memory_bytes: int, utilization: float, weight_bytes: int, state_bytes: int,
     activation_bytes: int, page_bytes: int, page_size: int, max_model_len: int,
@@ -111,11 +124,8 @@ def plan_kv_cache(
     if plan.num_pages < need:
         fits = max(plan.num_pages - 1, 0) * page_size
         if given_by is not None:
-            raise InsufficientMemoryError(
-                f"kv_cache_manager: {given_by} gives the KV cache {plan.num_pages} pages of "
-                f"{page_size} tokens, but one request of max_model_len={max_model_len} needs "
-                f"{need}; the largest max_model_len that fits is {fits}. Raise {given_by.split()[0]} "
-                f"or lower --max-model-len.")
+            refuse_too_few_pages(plan.num_pages, page_size, max_model_len, given_by,
+                                 given_by.split()[0])
         raise InsufficientMemoryError(
             f"kv_cache_manager: the KV cache has room for {plan.num_pages} pages of {page_size} "
             f"tokens on {device}, but one request of max_model_len={max_model_len} needs "

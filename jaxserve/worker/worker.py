@@ -35,7 +35,8 @@ from jaxserve.parallel.sharding import (
     adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings)
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, plan_kv_cache
+from jaxserve.worker.kv_sizing import (MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache,
+                                       refuse_too_few_pages)
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
 from jaxserve.worker.step_handle import StepHandle
@@ -208,17 +209,15 @@ class Worker:
             return self.memory_plan.num_pages
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
+            given_by = knob = "--num-gpu-blocks-override"
+            given_by += f" {num_blocks}"
         else:
-            num_blocks = (cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // self.page_bytes()
-        bs = cc.block_size
-        need = -(-self.max_model_len // bs) + 1
-        if num_blocks < need:
-            fits = max(num_blocks - 1, 0) * bs
-            raise ValueError(
-                f"the KV cache has room for {num_blocks} pages of {bs} tokens, but one request of "
-                f"max_model_len={self.max_model_len} needs {need}: the largest max_model_len that "
-                f"fits is {fits}; lower --max-model-len or raise the KV cache memory"
-            )
+            budget = cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = budget // self.page_bytes()
+            knob = "--kv-cache-memory-bytes"
+            given_by = (f"{knob} {budget}" if cc.kv_cache_memory_bytes
+                        else f"the CPU's default KV budget ({fmt_bytes(budget)})")
+        refuse_too_few_pages(num_blocks, cc.block_size, self.max_model_len, given_by, knob)
         return int(num_blocks)
 
     def plan_memory(self, memory_bytes: int | None = None, device: str | None = None,

@@ -96,3 +96,17 @@ def test_dummy_weights_serve_from_a_config_json_alone(tmp_path) -> None:
                        SamplingParams(max_tokens=5, temperature=1.0, seed=1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
     llm.shutdown()
+
+
+def test_a_cpu_budget_too_small_for_one_sequence_is_refused_naming_its_flag(tiny_config) -> None:
+    """The serving worker's own sizing (a byte budget on the CPU) refuses in the same words."""
+    import dataclasses
+
+    from jaxserve.worker.worker import Worker
+
+    cc = dataclasses.replace(tiny_config.cache_config, kv_cache_memory_bytes=1024)
+    worker = Worker(dataclasses.replace(tiny_config, cache_config=cc))
+    worker.load_model()
+    with pytest.raises(InsufficientMemoryError, match=r"kv_cache_manager: --kv-cache-memory-bytes "
+                       r"1024 gives the KV cache 0 pages .* Raise --kv-cache-memory-bytes"):
+        worker.determine_num_blocks()

@@ -113,6 +113,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while the device runs step N.
     async_scheduling: bool = True
+    # Pipeline microbatches: steps in flight with requests of their own (EngineArgs makes
+    # pipeline stages' async scheduling this), so each step's stage 0 needs nothing from the
+    # step before and the stages overlap.
+    num_microbatches: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -128,6 +132,11 @@ class SchedulerConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.num_microbatches > 1 and self.async_scheduling:
+            raise ValueError("pipeline microbatches take the place of async scheduling: "
+                             "num_microbatches > 1 needs async_scheduling=False")
         if not isinstance(self.policy, SchedulingPolicy):
             raise ValueError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
 
@@ -248,15 +257,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
     @property
-    def num_microbatches(self) -> int:
-        """Steps in flight with requests of their own: with pipeline stages, async
-        scheduling runs as pp microbatches (engine/build.py), so that the stages overlap."""
-        pp = self.parallel_config.pipeline_parallel_size
-        return pp if pp > 1 and self.scheduler_config.async_scheduling else 1
-
-    @property
     def batch_queue_size(self) -> int:
         """Steps the engine core keeps in flight: the microbatches with pipeline stages,
         else 2 with async scheduling (the host prepares one while the device runs one)."""
-        m = self.num_microbatches
-        return m if m > 1 else 2 if self.scheduler_config.async_scheduling else 1
+        sc = self.scheduler_config
+        return sc.num_microbatches if sc.num_microbatches > 1 else 2 if sc.async_scheduling else 1

@@ -35,11 +35,11 @@ def outputs_round(ids: list[str], tracer: StepTracer, k: int) -> None:
     tracer.done(st, 0.005, 0, 0.0)
     tracer.updated(st, outs)
     steps: dict = {}
-    payload = {"outputs": [o.to_dict(steps) for o in outs], "steps": steps,
+    payload = {"outputs": [encode_record(o, steps) for o in outs], "steps": steps,
                "stats": encode_record(SchedulerStats(batch, 0, 0.5, step_stats=tracer.stats()))}
     _, back = decode(encode(1, payload))
     table = {int(s): decode_record(StepTrace, v) for s, v in back["steps"].items()}
-    [EngineCoreOutput.from_dict(d, table) for d in back["outputs"]]
+    [decode_record(EngineCoreOutput, d, table) for d in back["outputs"]]
     decode_record(SchedulerStats, back["stats"])
 
 

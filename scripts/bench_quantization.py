@@ -16,7 +16,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "models"))
@@ -25,6 +24,7 @@ from forward import prompt_logits  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.model_files import resolve_model  # noqa: E402
 from jaxserve.models import LlamaForCausalLM  # noqa: E402
+from jaxserve.models.llama import ModelOptions
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
 from jaxserve.models.quantization import param_bytes, quantize_params  # noqa: E402
 from jaxserve.models.tokenizer import load_tokenizer  # noqa: E402
@@ -74,8 +74,8 @@ def main() -> None:
         llm.shutdown()
     arch, host = load_checkpoint(files, np.float32)
     qhost = quantize_params(host, args.quantization)
-    f32 = LlamaForCausalLM(arch, jnp.float32)
-    q8 = LlamaForCausalLM(arch, jnp.float32, quantization=args.quantization)
+    f32 = LlamaForCausalLM(arch)
+    q8 = LlamaForCausalLM(arch, ModelOptions(quantization=args.quantization))
     p32, p8 = jax.device_put(host), jax.device_put(qhost)
     print(f"weights: float32 {param_bytes(p32) / 2**20:.1f} MiB, {args.quantization} "
           f"{param_bytes(p8) / 2**20:.1f} MiB; KV cache {arch.kv_bytes_per_token(4)} B/token (float32)")

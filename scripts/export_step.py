@@ -34,6 +34,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
 from jaxserve.models import ArchConfig, LlamaForCausalLM
+from jaxserve.models.llama import ModelOptions
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params
@@ -77,8 +78,9 @@ def build_runner(
 ) -> tuple[ModelRunner, jax.ShapeDtypeStruct]:
     """The worker's runner for `platform`, over abstract bfloat16 (or int8) weights and cache."""
     arch = SHAPES[shapes]
-    model = LlamaForCausalLM(arch, jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
-                             quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    model = LlamaForCausalLM(arch, ModelOptions(jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
+                                                quantization=quantization,
+                                                kv_cache_dtype=kv_cache_dtype))
     kv = model.kv_cache(NUM_PAGES, BLOCK_SIZE)  # the platform's layout (TPU: packed int32)
     params = abstract_params(model)
     mesh = make_mesh(ParallelConfig())

@@ -29,6 +29,7 @@ HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_
 JAX_FREE = [
     "jaxserve/engine_core",
     "jaxserve/api_server",
+    "jaxserve/metrics",
     *(f"jaxserve/engine/{m}.py" for m in HOST_SIDE_ENGINE),
     "jaxserve/models/model_files.py",
     "jaxserve/models/tokenizer.py",
@@ -44,6 +45,8 @@ ENGINE_CORE_FORBIDDEN = ("jaxserve.worker", "jaxserve.models")
 JAX_FREE_IMPORTS = [
     "jaxserve.engine_core",
     "jaxserve.api_server.server",
+    "jaxserve.metrics.prometheus",
+    "jaxserve.metrics.trace_store",
     *(f"jaxserve.engine.{m}" for m in HOST_SIDE_ENGINE[1:]),
     "jaxserve.models.tokenizer",
     "jaxserve.config",
@@ -128,6 +131,14 @@ def test_api_server_reads_only_the_engine_cores_records():
             mod == m or mod.startswith(m + ".") for m in API_SERVER_MAY_READ)
 
     assert violations(["jaxserve/api_server"], forbidden) == []
+
+
+def test_nothing_below_the_api_server_imports_it():
+    # The request path runs one way (docs/architecture.md): the engine client records into
+    # jaxserve/metrics, which the API server serves.
+    below = ["jaxserve/engine", "jaxserve/engine_core", "jaxserve/worker", "jaxserve/models",
+             "jaxserve/parallel", "jaxserve/metrics"]
+    assert violations(below, lambda m: m.startswith("jaxserve.api_server")) == []
 
 
 def test_kernels_do_not_import_jaxserve():

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.api_server.debug_routes import add_debug_routes
-from jaxserve.api_server.metrics import ServerMetrics
+from jaxserve.metrics.prometheus import ServerMetrics
 from jaxserve.api_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

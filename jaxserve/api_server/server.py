@@ -22,9 +22,9 @@ from jaxserve.api_server.app import build_app
 from jaxserve.api_server.symptoms import ServerFacts
 from jaxserve.engine.dp_client import DPEngineClient
 from jaxserve.engine.core_client import EngineClient, EngineStartupError
-from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
+from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
 from jaxserve.api_server.serving import ServingContext
-from jaxserve.api_server.trace_store import TraceStore
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.config import EngineConfig
 from jaxserve.engine.messages import new_ipc_addresses
 from jaxserve.engine.core_process import launch_engine_core

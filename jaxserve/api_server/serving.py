@@ -32,8 +32,8 @@ from jaxserve.api_server.protocol import (
     LogprobInfo,
     SamplingRequestFields,
 )
-from jaxserve.api_server.metrics import ServerMetrics
-from jaxserve.api_server.trace_store import TraceStore
+from jaxserve.metrics.prometheus import ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams

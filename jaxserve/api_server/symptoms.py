@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.api_server.metrics import ServerMetrics
-from jaxserve.api_server.trace_store import TraceStore
+from jaxserve.metrics.prometheus import ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 
 WINDOW_S = 60.0  # findings come from requests that finished in the last minute, or live ones
 COMPILE_S = 0.5  # seconds of compiling in that minute that count as a symptom

@@ -110,12 +110,12 @@ def _instrument(llm) -> dict[str, float]:
     timed(sched, "schedule", "schedule")
     timed(sched, "update_from_output", "update")
     timed(runner, "execute_model_async", "prepare", count=True)
-    original = runner._to_output
+    original = runner.read_output
     def to_output(*a, **k):  # the first device read of a step: its wait
         t = time.perf_counter()
         try:
             return original(*a, **k)
         finally:
             timers["wait"] += time.perf_counter() - t
-    runner._to_output = to_output
+    runner.read_output = to_output
     return timers

@@ -194,6 +194,13 @@ class EngineArgs:
         # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
         # speculation without async scheduling too).
         async_scheduling = self.async_scheduling and spec is None
+        # With pipeline stages, async scheduling becomes pp microbatches: steps with requests
+        # of their own overlap across the stages (feeding a step the previous one's tokens
+        # would chain them).
+        pp = self.pipeline_parallel_size
+        num_microbatches = pp if pp > 1 and async_scheduling else 1
+        if num_microbatches > 1:
+            async_scheduling = False
         served = self.served_model_name
         if isinstance(served, list | tuple):
             served = served[0] if served else None
@@ -211,7 +218,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len or 1,  # resolved from the model by the worker
-                policy=_policy(self.scheduling_policy), async_scheduling=async_scheduling),
+                policy=_policy(self.scheduling_policy), async_scheduling=async_scheduling,
+                num_microbatches=num_microbatches),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                 distributed_coordinator_address=self.distributed_coordinator_address,

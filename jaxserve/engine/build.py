@@ -71,18 +71,11 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     worker, config, num_blocks = build_worker(config)
     if worker.distributed.process_id != 0:
         raise RuntimeError("only process 0 runs the engine core; others call run_follower_process")
-    sc = config.scheduler_config
-    # With pipeline stages, async scheduling becomes microbatches: pp steps in flight with
-    # requests of their own, so each step's stage 0 needs nothing from the step before and
-    # the stages overlap (feeding a step the previous one's tokens would chain them).
-    microbatches = config.num_microbatches
-    if microbatches > 1:
-        sc = dataclasses.replace(sc, async_scheduling=False)
     # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).
     tokenizer = config.model_config.tokenizer or config.model_config.model
     structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer), worker.arch.vocab_size)
-    scheduler = Scheduler(sc, config.cache_config, num_blocks, eos_token_id, structured,
-                          config.speculative_config, microbatches)
+    scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, eos_token_id,
+                          structured, config.speculative_config)
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
     core = EngineCore(scheduler, executor, batch_queue_size=config.batch_queue_size,
                       request_tracing=config.request_tracing)

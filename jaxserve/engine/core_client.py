@@ -23,8 +23,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from jaxserve.api_server.metrics import RequestStateStats, ServerMetrics
-from jaxserve.api_server.trace_store import TraceStore
+from jaxserve.metrics.prometheus import RequestStateStats, ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.step_trace import StepTrace
@@ -34,6 +34,9 @@ from jaxserve.engine.messages import (
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineReady,
+    RequestError,
+    UtilityCall,
+    UtilityResult,
     decode,
     encode,
     remove_ipc_files,
@@ -250,7 +253,7 @@ class EngineClient:
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = fut
-        self._send(EngineCoreRequestType.UTILITY, [call_id, method, list(args)])
+        self._send(EngineCoreRequestType.UTILITY, encode_record(UtilityCall(call_id, method, list(args))))
         return await fut
 
     @property
@@ -269,15 +272,15 @@ class EngineClient:
                 if kind == EngineCoreMessageType.OUTPUTS:
                     self._process_outputs(payload)
                 elif kind == EngineCoreMessageType.REQUEST_ERRORS:
-                    for cid, message, own_fault in payload:
-                        error = (RequestRejectedError(message) if own_fault
-                                 else RuntimeError(f"the engine core failed to add it: {message}"))
-                        self._fail_request(self._children.get(cid), error)
+                    for e in (decode_record(RequestError, v) for v in payload):
+                        error = (RequestRejectedError(e.message) if e.own_fault
+                                 else RuntimeError(f"the engine core failed to add it: {e.message}"))
+                        self._fail_request(self._children.get(e.req_id), error)
                 elif kind == EngineCoreMessageType.UTILITY_RESULT:
-                    call_id, result, error = payload
-                    fut = self._utility_calls.pop(call_id, None)
+                    r = decode_record(UtilityResult, payload)
+                    fut = self._utility_calls.pop(r.call_id, None)
                     if fut is not None and not fut.done():
-                        fut.set_exception(RuntimeError(error)) if error else fut.set_result(result)
+                        fut.set_exception(RuntimeError(r.error)) if r.error else fut.set_result(r.result)
                 elif kind == EngineCoreMessageType.ENGINE_ERROR:
                     self._mark_dead(f"engine core failed: {payload}")
                 else:
@@ -290,7 +293,7 @@ class EngineClient:
 
     def _process_outputs(self, payload: dict[str, Any]) -> None:
         steps = {int(k): decode_record(StepTrace, v) for k, v in (payload.get("steps") or {}).items()}
-        outputs = [EngineCoreOutput.from_dict(d, steps) for d in payload["outputs"]]
+        outputs = [decode_record(EngineCoreOutput, d, steps) for d in payload["outputs"]]
         now = time.monotonic()
         if self.metrics is not None:
             for out in outputs:

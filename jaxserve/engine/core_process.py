@@ -28,12 +28,15 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request
-from jaxserve.engine_core.wire import encode_record
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineReady,
+    RequestError,
+    UtilityCall,
+    UtilityResult,
     decode,
     encode,
 )
@@ -120,29 +123,29 @@ class EngineCoreProc:
                         cache_salt=req.cache_salt,
                     ))
                 except InvalidRequestError as e:  # the request's own fault
-                    errors.append([str(item[0]), str(e), True])
+                    errors.append(encode_record(RequestError(str(item[0]), str(e), True)))
                 except Exception:  # a bug: log it here, keep serving the others
                     logger.exception("adding request %r failed", item[0] if item else None)
-                    errors.append([str(item[0]) if item else "", "internal error", False])
+                    errors.append(encode_record(
+                        RequestError(str(item[0]) if item else "", "internal error", False)))
             if errors:
                 self.output_socket.send(encode(EngineCoreMessageType.REQUEST_ERRORS, errors))
         elif kind == EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
         elif kind == EngineCoreRequestType.UTILITY:
-            call_id, method, args = payload
-            result, error = None, None
+            call = decode_record(UtilityCall, payload)
+            reply = UtilityResult(call.call_id, None)
             try:
-                result = self.utilities[method](*args)
+                reply.result = self.utilities[call.method](*call.args)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                error = f"{type(e).__name__}: {e}"
-            self.output_socket.send(
-                encode(EngineCoreMessageType.UTILITY_RESULT, [call_id, result, error]))
+                reply.error = f"{type(e).__name__}: {e}"
+            self.output_socket.send(encode(EngineCoreMessageType.UTILITY_RESULT, encode_record(reply)))
         else:
             logger.error("unknown message type %r", kind)
 
     def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         steps: dict[int, list[Any]] = {}
-        payload = {"outputs": [o.to_dict(steps) for o in outputs], "steps": steps,
+        payload = {"outputs": [encode_record(o, steps) for o in outputs], "steps": steps,
                    "stats": encode_record(self.core.get_stats())}
         self.output_socket.send(encode(EngineCoreMessageType.OUTPUTS, payload))
         self.stats_dirty = False

@@ -30,7 +30,7 @@ class EngineCoreRequestType(enum.IntEnum):
 
     ADD = 0  # payload: [encode_record(EngineCoreRequest), ...] (jaxserve/engine_core/wire.py)
     ABORT = 1  # payload: [engine request id, ...]
-    UTILITY = 2  # payload: [call_id, method, args]
+    UTILITY = 2  # payload: encode_record(UtilityCall)
     SHUTDOWN = 3  # payload: None; the engine core leaves its loop and exits
 
 
@@ -38,12 +38,11 @@ class EngineCoreMessageType(enum.IntEnum):
     """Engine core -> API server."""
 
     READY = 0  # payload: encode_record(EngineReady)
-    # payload: {"outputs": [EngineCoreOutput.to_dict()], "steps": {step: encode_record(StepTrace)},
-    #           "stats": encode_record(SchedulerStats) | None}
+    # payload: {"outputs": [encode_record(EngineCoreOutput, steps)],
+    #           "steps": {step: encode_record(StepTrace)}, "stats": encode_record(SchedulerStats)}
     OUTPUTS = 1
-    UTILITY_RESULT = 2  # payload: [call_id, result, error message or None]
-    # payload: [[engine request id, message, the request's own fault], ...]: add refused
-    REQUEST_ERRORS = 3
+    UTILITY_RESULT = 2  # payload: encode_record(UtilityResult)
+    REQUEST_ERRORS = 3  # payload: [encode_record(RequestError), ...]: requests ADD refused
     STARTUP_FAILED = 4  # payload: error message; the process exits next
     ENGINE_ERROR = 5  # payload: error message; the process exits next
 
@@ -79,6 +78,31 @@ class EngineReady:
     vocab_size: int
     max_num_seqs: int
     timings: dict[str, float]
+
+
+@dataclass
+class UtilityCall:
+    """A call of one of the engine core's utility methods (e.g. reset_prefix_cache)."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any
+    error: str | None = None  # "ExceptionType: message" when the call raised
+
+
+@dataclass
+class RequestError:
+    """A request the engine core could not add."""
+
+    req_id: str  # the engine request id
+    message: str
+    own_fault: bool  # the request's parameters (a 4xx), rather than a bug (a 5xx)
 
 
 def encode(kind: int, payload: Any) -> bytes:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.engine_core.sched_utils import EMPTY_PROMPT, prompt_too_long
 from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.sampling_params import SamplingParams
 
@@ -40,11 +41,9 @@ class Processor:
         many as fit, as vLLM does for chat)."""
         n, limit = len(token_ids), self.max_model_len
         if n == 0:
-            raise InvalidInputError("prompt is empty", "prompt")
+            raise InvalidInputError(EMPTY_PROMPT, "prompt")
         if n >= limit:
-            raise InvalidInputError(
-                f"prompt has {n} tokens but max_model_len is {limit} (it must leave room for at "
-                "least one output token)", "prompt")
+            raise InvalidInputError(prompt_too_long(n, limit), "prompt")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidInputError(f"prompt token ids must be in [0, {self.vocab_size})",
                                     "prompt")

@@ -1,8 +1,8 @@
 """What the engine core sends back to the front end after each step.
 
-Token ids only (the front end detokenizes and checks stop strings). These cross
-a ZeroMQ socket as msgpack, so every field is a plain type or has a
-`to_dict`/`from_dict` pair made only of lists, dicts, str, int, float and None.
+Token ids only (the front end detokenizes and checks stop strings). They cross the ZeroMQ
+socket through the wire codec (engine_core/wire.py), each with the message's table of steps
+as its context: {step number: StepTrace's record}, shared by every output of the message.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists
 from jaxserve.engine_core.step_trace import StepEntry, StepTrace, new_step_entry
-from jaxserve.engine_core.wire import encode_record
+from jaxserve.engine_core.wire import encode_record, wire_field
 from jaxserve.outputs import FinishReason
 
 if TYPE_CHECKING:
@@ -36,6 +36,25 @@ class EngineCoreEvent:
     timestamp: float
 
 
+def _encode_trace(entries: list[StepEntry], steps: dict[int, list[Any]] | None) -> list[list[Any]]:
+    """[step number, tokens, pages, computed before, admitted] per entry; each step's shared
+    facts go once into the message's table `steps`."""
+    rows = []
+    for st, tokens, pages, computed, admitted in entries:
+        if steps is not None and st.step not in steps:
+            steps[st.step] = encode_record(st)
+        rows.append([st.step, tokens, pages, computed, admitted])
+    return rows
+
+
+def _decode_trace(rows: list[list[Any]], steps: dict[int, StepTrace] | None) -> list[StepEntry] | None:
+    """The entries back, each pointing at its step in the message's table (decoded once)."""
+    if steps is None:
+        return None
+    return [new_step_entry(StepEntry, (steps[s], t, p, c, bool(a))) for s, t, p, c, a in rows
+            if s in steps]
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens (and possibly the end) of one request after one step.
@@ -53,8 +72,10 @@ class EngineCoreOutput:
     events: list[EngineCoreEvent] | None = None
     # With the first token of a prompt_logprobs request: rows for prompt tokens 1..P-1.
     prompt_logprobs: LogprobsLists | None = None
-    # The steps it took part in since its previous output (tracing.StepTracer).
-    trace_steps: list[StepEntry] | None = None
+    # The steps it took part in since its previous output (step_trace.StepTracer); on the wire
+    # each entry points into the message's table of steps (see _encode_trace).
+    trace_steps: list[StepEntry] | None = wire_field(
+        _encode_trace, _decode_trace, default=None)
 
     @property
     def finished(self) -> bool:
@@ -76,55 +97,3 @@ class EngineCoreOutput:
             request.take_prompt_logprobs(),
         )
 
-    def to_dict(self, steps: dict[int, list[Any]] | None = None) -> dict[str, Any]:
-        """Plain types only, for msgpack. Its steps' shared facts go into `steps` (one table
-        per message), the output keeps [step, tokens, pages, computed before, admitted]."""
-        lp = self.new_logprobs
-        trace = None
-        if self.trace_steps is not None:
-            trace = []
-            for st, tokens, pages, computed, admitted in self.trace_steps:
-                if steps is not None and st.step not in steps:
-                    steps[st.step] = encode_record(st)
-                trace.append([st.step, tokens, pages, computed, admitted])
-        return {
-            "trace_steps": trace,
-            "req_id": self.req_id,
-            "new_token_ids": self.new_token_ids,
-            "new_logprobs": None
-            if lp is None
-            else [lp.token_ids, lp.logprobs, lp.sampled_token_ranks],
-            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
-            "stop_reason": self.stop_reason,
-            "num_cached_tokens": self.num_cached_tokens,
-            "events": None
-            if self.events is None
-            else [[e.type.value, e.timestamp] for e in self.events],
-            "prompt_logprobs": None if self.prompt_logprobs is None else [
-                self.prompt_logprobs.token_ids, self.prompt_logprobs.logprobs,
-                self.prompt_logprobs.sampled_token_ranks],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], steps: dict[int, StepTrace] | None = None
-                  ) -> EngineCoreOutput:
-        """`steps`: the message's step table, read back (see to_dict)."""
-        lp = d["new_logprobs"]
-        events = d["events"]
-        trace = d.get("trace_steps")
-        return cls(
-            req_id=d["req_id"],
-            new_token_ids=list(d["new_token_ids"]),
-            new_logprobs=None if lp is None else LogprobsLists(lp[0], lp[1], lp[2]),
-            finish_reason=None if d["finish_reason"] is None else FinishReason(d["finish_reason"]),
-            stop_reason=d["stop_reason"],
-            num_cached_tokens=d["num_cached_tokens"],
-            events=None
-            if events is None
-            else [EngineCoreEvent(EngineCoreEventType(t), ts) for t, ts in events],
-            prompt_logprobs=None if d.get("prompt_logprobs") is None
-            else LogprobsLists(*d["prompt_logprobs"]),
-            trace_steps=None if trace is None or steps is None
-            else [new_step_entry(StepEntry, (steps[s], t, p, c, bool(a))) for s, t, p, c, a in trace
-                  if s in steps],
-        )

@@ -10,15 +10,23 @@ from __future__ import annotations
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 
 
+EMPTY_PROMPT = "prompt is empty"
+
+
+def prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str:
+    """The refusal of a prompt with no room for an output token (the input processor's words
+    too: engine/processor.py)."""
+    return (f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len} "
+            "(it must leave room for at least one output token)")
+
+
 def check_new_request(request: Request, max_model_len: int) -> None:
-    """Raises InvalidRequestError for a request that can never run."""
+    """Raises InvalidRequestError for a request that can never run: a backstop for callers
+    that skip the input processor, in its words."""
     if request.num_prompt_tokens == 0:
-        raise InvalidRequestError(f"request {request.req_id!r} has an empty prompt")
+        raise InvalidRequestError(EMPTY_PROMPT)
     if request.num_prompt_tokens >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {request.num_prompt_tokens:,} tokens but --max-model-len is "
-            f"{max_model_len:,} (room for at least one output token is needed)"
-        )
+        raise InvalidRequestError(prompt_too_long(request.num_prompt_tokens, max_model_len))
 
 
 def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:

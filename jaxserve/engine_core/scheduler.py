@@ -61,7 +61,6 @@ class Scheduler:
         eos_token_id: int | None = None,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
-        num_microbatches: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output = structured_output or StructuredOutputManager()
@@ -95,10 +94,9 @@ class Scheduler:
         self.num_preemptions = 0  # since the previous make_stats()
         self.total_num_preemptions = 0
         spec = speculative_config
-        if (spec is not None or num_microbatches > 1) and self.async_scheduling:
-            raise ValueError("speculative decoding and pipeline microbatches need "
-                             "async_scheduling=False")
-        self.max_reqs_per_step = -(-self.max_num_running_reqs // num_microbatches)
+        if spec is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling=False")
+        self.max_reqs_per_step = -(-self.max_num_running_reqs // scheduler_config.num_microbatches)
         self.drafter = Drafter(spec, self.max_num_running_reqs) if spec is not None else None
 
     # --- requests in and out ------------------------------------------------

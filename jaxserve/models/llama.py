@@ -39,6 +39,23 @@ KV_CACHE_SPEC = PartitionSpec(None, None, None, "model")
 FP8_KV_SCALE = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the model runs, read by every module of it (the checkpoint's shape is `ArchConfig`)."""
+
+    dtype: Any = jnp.float32
+    attention_backend: str = "reference"
+    attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
+    mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
+    quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
+    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
+
+    @property
+    def cpu_kernel(self) -> bool:
+        """Whether the CPU int8 matmul kernel may run (it has no sharding rule)."""
+        return self.mesh is None
+
+
 def kv_cache_layout(cfg: ArchConfig, dtype: Any, attention_backend: str,
                     kv_cache_dtype: str = "auto", tp: int = 1) -> kernels_pallas.KVCacheLayout:
     """One device's cache layout: its `num_kv_heads / tp` heads, in the values' type (the
@@ -98,12 +115,7 @@ def paged_attention(
 
 class Attention(nn.Module):
     cfg: ArchConfig
-    dtype: Any
-    attention_backend: str
-    attention_interpret: bool
-    mesh: Mesh | None
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    opts: ModelOptions
 
     @nn.compact
     def __call__(
@@ -115,11 +127,11 @@ class Attention(nn.Module):
         kv_cache: jax.Array,
         md: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        cfg = self.cfg
+        cfg, opts = self.cfg, self.opts
         T = x.shape[0]
         def dense(n: int, bias: bool, name: str) -> nn.Module:
-            return make_dense(n, bias, self.dtype, self.quantization, name, cfg.num_hidden_layers,
-                              cpu_kernel=self.mesh is None)
+            return make_dense(n, bias, opts.dtype, opts.quantization, name, cfg.num_hidden_layers,
+                              cpu_kernel=opts.cpu_kernel)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
@@ -127,22 +139,22 @@ class Attention(nn.Module):
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="k_norm")(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
         attend = functools.partial(
-            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=self.attention_backend,
-            interpret=self.attention_interpret, options=attention_options(cfg),
-            kv_cache_dtype=kv_values_dtype(self.kv_cache_dtype, self.dtype),
+            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=opts.attention_backend,
+            interpret=opts.attention_interpret, options=attention_options(cfg),
+            kv_cache_dtype=kv_values_dtype(opts.kv_cache_dtype, opts.dtype),
         )
-        if self.mesh is not None:
+        if opts.mesh is not None:
             # Each device attends with its own heads over its own slice of the cache:
             # no communication inside attention (o_proj's all-reduce follows).
             heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
             attend = jax.shard_map(
-                attend, mesh=self.mesh,
+                attend, mesh=opts.mesh,
                 in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
                 out_specs=(heads, cache), check_vma=False,
             )
@@ -153,12 +165,7 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: ArchConfig
-    dtype: Any
-    attention_backend: str
-    attention_interpret: bool
-    mesh: Mesh | None
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    opts: ModelOptions
 
     @nn.compact
     def __call__(
@@ -170,17 +177,15 @@ class DecoderLayer(nn.Module):
         md: AttentionMetadata,
     ) -> tuple[tuple[jax.Array, jax.Array], None]:
         h, kv_cache = carry
-        cfg = self.cfg
-        attn_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
-        attn_out, kv_cache = Attention(
-            cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh,
-            self.quantization, self.kv_cache_dtype, name="self_attn")(
+        cfg, opts = self.cfg, self.opts
+        attn_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="input_layernorm")(h)
+        attn_out, kv_cache = Attention(cfg, opts, name="self_attn")(
             attn_in, layer_idx, cos, sin, kv_cache, md
         )
         h = h + attn_out
-        mlp_in = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
-        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, self.dtype, self.quantization,
-                       cfg.num_hidden_layers, self.mesh is None, name="mlp")(mlp_in, layer_idx)
+        mlp_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="post_attention_layernorm")(h)
+        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
+                       cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")(mlp_in, layer_idx)
         return (h, kv_cache), None
 
 
@@ -189,18 +194,12 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits` applies the LM head only to the rows that are sampled."""
 
     cfg: ArchConfig
-    dtype: Any = jnp.float32
-    attention_backend: str = "reference"
-    attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
-    mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
-    quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
-    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
+    opts: ModelOptions = ModelOptions()
 
     def setup(self) -> None:
-        cfg = self.cfg
-        cpu_kernel = self.mesh is None  # the CPU int8 kernel has no sharding rule
-        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.quantization,
-                                       cpu_kernel)
+        cfg, opts = self.cfg, self.opts
+        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.quantization,
+                                       opts.cpu_kernel)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
@@ -208,12 +207,11 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
-        )(cfg, self.dtype, self.attention_backend, self.attention_interpret, self.mesh,
-          self.quantization, self.kv_cache_dtype)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        )(cfg, opts)
+        self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make_dense(cfg.vocab_size, False, self.dtype, self.quantization,
-                                      cpu_kernel=cpu_kernel)
+            self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.quantization,
+                                      cpu_kernel=opts.cpu_kernel)
 
     def __call__(
         self,
@@ -236,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
         plan = kernels_pallas.attention_plan(
             md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
-            page_size=kv_cache.shape[2], backend=self.attention_backend,
+            page_size=kv_cache.shape[2], backend=self.opts.attention_backend,
             **attention_options(self.cfg))
         md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
@@ -257,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache(self, num_pages: int, page_size: int) -> jax.ShapeDtypeStruct:
         """The whole (every device's heads) stacked cache this model runs with."""
-        tp = 1 if self.mesh is None else self.mesh.shape["model"]
-        layout = kv_cache_layout(self.cfg, self.dtype, self.attention_backend,
-                                 self.kv_cache_dtype, tp)
+        opts = self.opts
+        tp = 1 if opts.mesh is None else opts.mesh.shape["model"]
+        layout = kv_cache_layout(self.cfg, opts.dtype, opts.attention_backend, opts.kv_cache_dtype, tp)
         token = layout.token_shape
         shape = (self.cfg.num_hidden_layers, num_pages, page_size, tp * token[0], *token[1:])
         return jax.ShapeDtypeStruct(shape, layout.storage_dtype)

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
+from jaxserve.models.llama import ModelOptions
 from jaxserve.models.quantization import param_tree
 from jaxserve.parallel.sharding import param_shardings
 
@@ -67,8 +68,7 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
 
 
 def build_stages(
-    arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, dtype: Any, attention_backend: str,
-    attention_interpret: bool = False, quantization: str | None = None, kv_cache_dtype: str = "auto",
+    arch: ArchConfig, host_params: dict[str, Any], mesh: Mesh, opts: ModelOptions,
 ) -> list[Stage]:
     """Split, place (with each stage's tensor-parallel shardings) and wrap every stage.
 
@@ -82,8 +82,7 @@ def build_stages(
         first, last = i == 0, i == pp - 1
         host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
-        model = LlamaForCausalLM(cfg, dtype, attention_backend, attention_interpret,
-                                 sub if tp > 1 else None, quantization, kv_cache_dtype)
+        model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
         params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))
@@ -96,8 +95,8 @@ def abstract_params(model: LlamaForCausalLM) -> Any:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
     # Parameter shapes do not depend on the mesh or the kernels: initialise the plain model.
-    plain = dataclasses.replace(model, mesh=None, attention_backend="reference",
-                                attention_interpret=False)
+    plain = LlamaForCausalLM(model.cfg, dataclasses.replace(
+        model.opts, mesh=None, attention_backend="reference", attention_interpret=False))
     kv = plain.kv_cache(4, 16)
 
     def init_all(module: LlamaForCausalLM, ids, pos, cache, md):
@@ -108,22 +107,19 @@ def abstract_params(model: LlamaForCausalLM) -> Any:
 
 
 def abstract_stages(
-    arch: ArchConfig, mesh: Mesh, dtype: Any, attention_backend: str,
-    attention_interpret: bool = False, quantization: str | None = None, kv_cache_dtype: str = "auto",
+    arch: ArchConfig, mesh: Mesh, opts: ModelOptions,
 ) -> list[Stage]:
     """`build_stages` without weights: each stage's params as ShapeDtypeStructs carrying their
     shardings, for compiling on devices this process may not drive (preflight, KV sizing)."""
     pp, tp = mesh.shape["stage"], mesh.shape["model"]
-    full = abstract_params(LlamaForCausalLM(arch, dtype, quantization=quantization,
-                                            kv_cache_dtype=kv_cache_dtype))
+    full = abstract_params(LlamaForCausalLM(arch, opts))
     stages = []
     for i, rng in enumerate(split_layers(arch.num_hidden_layers, pp)):
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
         host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch.tie_word_embeddings), full)
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
-        model = LlamaForCausalLM(cfg, dtype, attention_backend, attention_interpret,
-                                 sub if tp > 1 else None, quantization, kv_cache_dtype)
+        model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               host, param_shardings(host, sub))
         stages.append(Stage(i, rng, sub, model, params, first, last))

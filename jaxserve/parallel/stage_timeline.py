@@ -42,13 +42,13 @@ class StageTimeline:
         """Watch every stage `runner` (a ModelRunner) dispatches from now on."""
         timeline = cls()
         runner.stage_observer = timeline.observe
-        read = runner._to_output  # a step's first read of its tokens (steps read in order)
+        read = runner.read_output  # a step's first read of its tokens (steps read in order)
 
         def reading(*args: Any, **kwargs: Any) -> Any:
             timeline._record("read")
             return read(*args, **kwargs)
 
-        runner._to_output = reading
+        runner.read_output = reading
         return timeline
 
     def observe(self, step: int, stage: int, output: Any) -> None:

@@ -260,18 +260,19 @@ class ModelRunner:
         self._update_batch(so)
         step = self._prepare(so)
         if step is None:
-            return StepHandle(self, [], np.zeros(0, bool), None, np.zeros(0, np.int32))
+            return StepHandle(self, None)
         hidden, prompt_out = self._run_forward(step)
         bitmask = grammar_bitmask(so.grammar_bitmask, step.req_ids, step.per_req, step.R,
                                   self.model.cfg.vocab_size)
         out = self._run_sampler(step, hidden, bitmask)
         facts = StepFacts(self.sample_time_s.get((step.R, step.mode, step.verify), 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
-        n, per_req = len(step.req_ids), step.per_req
-        first_pos = step.inp.kv_lens[:n] - (0 if per_req is None else per_req - 1)
-        return StepHandle(self, step.req_ids, step.samples, out,
-                          self.batch.num_logprobs[step.slots].copy(), prompt_out, facts, per_req,
-                          (step.slots, first_pos) if self.record_sampled else None)
+        first_positions = None
+        if self.record_sampled:
+            n, per_req = len(step.req_ids), step.per_req
+            first_positions = step.inp.kv_lens[:n] - (0 if per_req is None else per_req - 1)
+        return StepHandle(self, step, out=out, num_logprobs=self.batch.num_logprobs[step.slots].copy(),
+                          prompt_out=prompt_out, facts=facts, first_positions=first_positions)
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
         """The step's padded inputs, its buckets and its sampler inputs (None: nothing runs)."""
@@ -347,15 +348,26 @@ class ModelRunner:
         arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, *args)
         self.penalties = self._admit(self.penalties, np.int32(slot), *arrays)
 
-    def _to_output(self, req_ids: list[str], samples: np.ndarray, out: SamplerOutput | None,
-                   num_logprobs: np.ndarray, per_req: np.ndarray | None = None,
-                   positions: tuple[np.ndarray, np.ndarray] | None = None) -> ModelRunnerOutput:
-        """`per_req`: each request's rows in a verification step (its accepted drafts and
-        final token come back; a request with logprobs has one row, having no drafts).
-        `positions`: the requests' slots and first sampled positions at dispatch."""
-        n = len(req_ids)
-        if out is None:
+    def read_output(self, handle: StepHandle) -> ModelRunnerOutput:
+        """A dispatched step's tokens, logprobs and trace facts on the host: the step's device
+        sync (the bench and `StageTimeline` wrap it to time and order the reads)."""
+        step, out = handle.step, handle.out
+        if step is None or out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        result = self._sampled_output(step, out, handle.num_logprobs, handle.first_positions)
+        if handle.prompt_out is not None:
+            result.prompt_logprobs = self._prompt_output(*handle.prompt_out)
+        f = handle.facts
+        result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
+        return result
+
+    def _sampled_output(self, step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndarray,
+                        first_positions: np.ndarray | None) -> ModelRunnerOutput:
+        """Each request's sampled tokens: one, or in a verification step (`step.per_req` rows
+        each) its accepted drafts and final token; a request with logprobs has one row, having
+        no drafts."""
+        req_ids, samples, per_req = step.req_ids, step.samples, step.per_req
+        n = len(req_ids)
         if per_req is None:
             tokens = _host(out.sampled)[:n].tolist()
             sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
@@ -366,8 +378,8 @@ class ModelRunner:
             tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
             sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
                        for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
-        if positions is not None:
-            self.batch.record_sampled(req_ids, *positions, sampled)
+        if first_positions is not None:
+            self.batch.record_sampled(req_ids, step.slots, first_positions, sampled)
         logprobs = None
         if (num_logprobs >= 0).any():
             ids = _host(out.logprob_token_ids)[first]

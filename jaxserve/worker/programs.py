@@ -165,7 +165,7 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
     out: list[Program] = []
     i32 = lambda shape, mesh: jax.ShapeDtypeStruct(  # noqa: E731
         shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-    H, dtype = runner.model.cfg.hidden_size, runner.model.dtype
+    H, dtype = runner.model.cfg.hidden_size, runner.model.opts.dtype
     for T in runner.token_buckets:
         for all_rows in (False, True) if on_first_use else (False,):
             x = runner.last_sampled

@@ -7,7 +7,7 @@ in the live counters: after warm-up that number should stay 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,30 +71,24 @@ class PreparedStep:
         return self.per_req is not None
 
 
+@dataclass
 class StepHandle:
-    """A dispatched step; `result()` waits for its tokens (the only device sync)."""
+    """A dispatched step: its prepared inputs and its device outputs. `result()` reads them
+    once, through `ModelRunner.read_output` (the step's only device sync)."""
 
-    def __init__(self, runner: ModelRunner, req_ids: list[str], samples: np.ndarray,
-                 out: SamplerOutput | None, num_logprobs: np.ndarray,
-                 prompt: tuple[Any, list[PromptLogprobRows]] | None = None,
-                 facts: StepFacts | None = None, per_req: np.ndarray | None = None,
-                 positions: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        self._runner, self._req_ids, self._samples = runner, req_ids, samples
-        self._out, self._num_logprobs, self._prompt = out, num_logprobs, prompt
-        self._facts, self._per_req, self._positions = facts, per_req, positions
-        self._result: ModelRunnerOutput | None = None
+    runner: ModelRunner
+    step: PreparedStep | None  # None: nothing was scheduled
+    out: SamplerOutput | None = None
+    num_logprobs: np.ndarray | None = None  # each request's top-logprobs count (-1: none)
+    prompt_out: tuple[Any, list[PromptLogprobRows]] | None = None
+    facts: StepFacts = field(default_factory=StepFacts)
+    # Each request's first sampled position, when the batch keeps sampled tokens (n-gram drafts).
+    first_positions: np.ndarray | None = None
+    _result: ModelRunnerOutput | None = field(default=None, init=False, repr=False)
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
-            self._result = self._runner._to_output(
-                self._req_ids, self._samples, self._out, self._num_logprobs, self._per_req,
-                self._positions)
-            if self._prompt is not None:
-                self._result.prompt_logprobs = self._runner._prompt_output(*self._prompt)
-            if self._facts is not None:
-                f = self._facts
-                self._result.sample_s, self._result.num_compiles = f.sample_s, f.num_compiles
-                self._result.compile_s = f.compile_s
+            self._result = self.runner.read_output(self)
         return self._result
 
 

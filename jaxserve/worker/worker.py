@@ -24,7 +24,7 @@ from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
-from jaxserve.models.llama import kv_cache_layout
+from jaxserve.models.llama import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.quantization import param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
@@ -126,6 +126,10 @@ class Worker:
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
+        # Every stage's model runs with these (its own sub-mesh set per stage).
+        self.model_options = ModelOptions(
+            self.dtype, self.attention_backend, config.attention_interpret, None,
+            config.model_config.quantization, config.cache_config.cache_dtype)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
@@ -146,10 +150,7 @@ class Worker:
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         quantization = self.config.model_config.quantization
         host_params = quantize_params(host_params, quantization)  # if not read as int8
-        self.stages = build_stages(
-            self.run_arch, host_params, self.mesh, self.dtype, self.attention_backend,
-            self.config.attention_interpret, quantization, self.config.cache_config.cache_dtype,
-        )
+        self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
         self.timings["load_s"] = time.perf_counter() - t0
@@ -162,9 +163,7 @@ class Worker:
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         self.run_arch = adapted_arch(self.arch, tp)
         quantization = self.config.model_config.quantization
-        self.stages = abstract_stages(
-            self.run_arch, self.mesh, self.dtype, self.attention_backend,
-            self.config.attention_interpret, quantization, self.config.cache_config.cache_dtype)
+        self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
 
@@ -279,7 +278,7 @@ class Worker:
             # Not under async scheduling's placeholders: there a step is prepared before the
             # previous one's tokens are back, and when a multi-host follower (which waits for
             # each step at once) would know them, its inputs would differ from process 0's.
-            record_sampled=not (sc.async_scheduling and self.config.num_microbatches == 1),
+            record_sampled=not sc.async_scheduling,
             abstract=abstract,
         )
 

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 from prometheus_client import generate_latest
 
-from jaxserve.api_server.metrics import LoggingStatLogger, ServerMetrics
+from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.wire import decode_record, encode_record

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from jaxserve.api_server.symptoms import ServerFacts, diagnose
-from jaxserve.api_server.metrics import ServerMetrics
-from jaxserve.api_server.trace_store import TraceStore
+from jaxserve.metrics.prometheus import ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.engine_core.stats import SchedulerStats, StepStats
 from jaxserve.engine_core.step_trace import StepEntry, StepTrace
 from jaxserve.request_trace import RequestTrace

@@ -63,9 +63,13 @@ def test_derived_settings_are_decided_once() -> None:
     assert not spec.scheduler_config.async_scheduling and spec.batch_queue_size == 1
     assert make_engine_config().batch_queue_size == 2
     assert make_engine_config(async_scheduling=False).batch_queue_size == 1
-    pp = make_engine_config(pipeline_parallel_size=2)
-    assert pp.num_microbatches == 2 and pp.batch_queue_size == 2
+    # Pipeline stages: async scheduling becomes microbatches, off for the scheduler itself.
+    pp = make_engine_config(pipeline_parallel_size=2).scheduler_config
+    assert (pp.num_microbatches, pp.async_scheduling) == (2, False)
+    assert make_engine_config(pipeline_parallel_size=2).batch_queue_size == 2
     assert make_engine_config(pipeline_parallel_size=3).batch_queue_size == 3
+    no_async = make_engine_config(pipeline_parallel_size=2, async_scheduling=False)
+    assert no_async.scheduler_config.num_microbatches == 1 and no_async.batch_queue_size == 1
 
 
 def test_bad_arguments_are_value_errors_naming_the_field() -> None:

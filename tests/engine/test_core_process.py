@@ -27,6 +27,9 @@ from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
+    RequestError,
+    UtilityCall,
+    UtilityResult,
     decode,
     encode,
 )
@@ -94,7 +97,7 @@ def collect(recv, until_finished: set[str]) -> tuple[dict[str, list[int]], Sched
         assert kind == EngineCoreMessageType.OUTPUTS
         stats = decode_record(SchedulerStats, payload["stats"])
         for d in payload["outputs"]:
-            out = EngineCoreOutput.from_dict(d)
+            out = decode_record(EngineCoreOutput, d)
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
             if out.finished:
                 until_finished.discard(out.req_id)
@@ -119,8 +122,9 @@ def test_abort_frees_pages_and_bad_requests_are_reported(engine) -> None:
                                      add("too-long", n_prompt=80)])
     kind, payload = recv()
     assert kind == EngineCoreMessageType.REQUEST_ERRORS
-    assert payload[0][0] == "too-long" and "80 tokens" in payload[0][1]
-    assert payload[0][2] is True  # the request's own fault: a 400, not a 500
+    (err,) = (decode_record(RequestError, v) for v in payload)
+    assert err.req_id == "too-long" and "80 tokens" in err.message
+    assert err.own_fault is True  # the request's own fault: a 400, not a 500
     send(EngineCoreRequestType.ABORT, ["long"])
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -133,13 +137,16 @@ def test_abort_frees_pages_and_bad_requests_are_reported(engine) -> None:
 
 def test_utility_calls(engine) -> None:
     send, recv, _ = engine
-    send(EngineCoreRequestType.UTILITY, [1, "ping", []])
-    assert recv() == (EngineCoreMessageType.UTILITY_RESULT, [1, "pong", None])
-    send(EngineCoreRequestType.UTILITY, [2, "reset_prefix_cache", []])
-    assert recv() == (EngineCoreMessageType.UTILITY_RESULT, [2, True, None])
-    send(EngineCoreRequestType.UTILITY, [3, "no_such_method", []])
-    kind, (call_id, result, error) = recv()
-    assert call_id == 3 and result is None and "no_such_method" in error
+    def call(call_id: int, method: str) -> UtilityResult:
+        send(EngineCoreRequestType.UTILITY, encode_record(UtilityCall(call_id, method, [])))
+        kind, payload = recv()
+        assert kind == EngineCoreMessageType.UTILITY_RESULT
+        return decode_record(UtilityResult, payload)
+
+    assert call(1, "ping") == UtilityResult(1, "pong")
+    assert call(2, "reset_prefix_cache") == UtilityResult(2, True)
+    r = call(3, "no_such_method")
+    assert r.call_id == 3 and r.result is None and "no_such_method" in r.error
 
 
 def test_request_round_trips_through_msgpack() -> None:

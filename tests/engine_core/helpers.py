@@ -37,12 +37,12 @@ def make_scheduler(
             policy=policy,
             async_scheduling=async_scheduling,
             enable_chunked_prefill=enable_chunked_prefill,
+            num_microbatches=num_microbatches,
         ),
         CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,
         eos_token_id=EOS,
         speculative_config=speculative_config,
-        num_microbatches=num_microbatches,
     )
 
 

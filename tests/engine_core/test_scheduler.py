@@ -7,6 +7,7 @@ from jaxserve.config import SchedulingPolicy
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import RequestStatus
+from jaxserve.engine_core.step_trace import StepEntry, StepTrace
 from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.outputs import FinishReason
 
@@ -310,7 +311,7 @@ def test_add_request_rejects_what_can_never_run():
         sched.add_request(make_request("a", 4))
     with pytest.raises(ValueError, match="empty"):
         sched.add_request(make_request("e", prompt=[]))
-    with pytest.raises(ValueError, match="prompt has 64 tokens but --max-model-len is 64"):
+    with pytest.raises(ValueError, match="prompt has 64 tokens but max_model_len is 64"):
         sched.add_request(make_request("long", 64))
 
 
@@ -459,8 +460,14 @@ def test_engine_core_output_survives_msgpack():
     lp = LogprobsLists([[9, 9]], [[-0.25, -0.25]], [1])
     (out,) = sched.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], lp))
     assert out.finished and out.events
-    wire = msgpack.unpackb(msgpack.packb(out.to_dict()))
-    assert EngineCoreOutput.from_dict(wire) == out
+    st = StepTrace(7, 1.0, 1.5, 1, 4, dispatched=1.6)
+    out.trace_steps = [StepEntry(st, 4, 1, 0, True), StepEntry(st, 1, 0, 4, False)]
+    steps: dict = {}  # the message's table of steps, which trace entries point into
+    wire, table = msgpack.unpackb(msgpack.packb([encode_record(out, steps), steps]),
+                                  strict_map_key=False)
+    back = decode_record(EngineCoreOutput, wire, {s: decode_record(StepTrace, v)
+                                                  for s, v in table.items()})
+    assert back == out and back.trace_steps[0].trace.step == out.trace_steps[0].trace.step
 
 
 def test_request_status_is_finished_both_ways():

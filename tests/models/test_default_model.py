@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,7 +31,7 @@ def test_default_model_matches_transformers(hf_default_model) -> None:
     print(f"default model load: {load_s:.2f} s")
     assert arch.num_hidden_layers == 30 and arch.num_key_value_heads == 3
     tok = load_tokenizer(None)
-    model = LlamaForCausalLM(arch, jnp.float32)
+    model = LlamaForCausalLM(arch)
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
     )

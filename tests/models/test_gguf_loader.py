@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import gguf
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -81,7 +80,7 @@ def test_gguf_f32_matches_transformers(tmp_path) -> None:
     write_gguf(model_dir, path)
     arch, params = load_checkpoint(path, np.float32)
     assert arch.tie_word_embeddings and arch.num_key_value_heads == 2
-    model = LlamaForCausalLM(arch, jnp.float32)
+    model = LlamaForCausalLM(arch)
     for ids in PROMPTS[:2]:
         ours = prompt_logits(model, params, ids)
         ref = hf_logits(model_dir, ids)

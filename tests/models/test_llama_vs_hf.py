@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.models import LlamaForCausalLM
+from jaxserve.models.llama import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
 from tests.models.tiny import hf_logits, save_tiny_hf
@@ -31,7 +31,7 @@ def test_tiny_models_match_transformers(kind: str, tmp_path) -> None:
     arch, params = load_checkpoint(model_dir, np.float32)
     assert arch.attention_bias == (kind == "qwen2")
     assert arch.qk_norm == (kind == "qwen3")
-    model = LlamaForCausalLM(arch, jnp.float32)
+    model = LlamaForCausalLM(arch)
     for ids in PROMPTS:
         ours = prompt_logits(model, params, ids)
         ref = hf_logits(model_dir, ids)
@@ -45,9 +45,8 @@ def test_mistral_sliding_window_matches_transformers(tmp_path, backend: str) -> 
     model_dir = save_tiny_hf("mistral", str(tmp_path), sliding_window=8)
     arch, params = load_checkpoint(model_dir, np.float32)
     assert arch.sliding_window == 8
-    model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend)
-    full = LlamaForCausalLM(dataclasses.replace(arch, sliding_window=None), jnp.float32,
-                            attention_backend=backend)
+    model = LlamaForCausalLM(arch, ModelOptions(attention_backend=backend))
+    full = LlamaForCausalLM(dataclasses.replace(arch, sliding_window=None), ModelOptions(attention_backend=backend))
     ids = PROMPTS[2]
     ours, ref = prompt_logits(model, params, ids), hf_logits(model_dir, ids)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
@@ -67,7 +66,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path) -> None:
     model_dir = save_tiny_hf("llama", str(tmp_path), rope_scaling=rope, rope_theta=500000.0)
     arch, params = load_checkpoint(model_dir, np.float32)
     assert arch.rope_scaling is not None
-    model = LlamaForCausalLM(arch, jnp.float32)
+    model = LlamaForCausalLM(arch)
     ids = list(range(1, 120))
     ours = prompt_logits(model, params, ids)
     ref = hf_logits(model_dir, ids)
@@ -79,5 +78,5 @@ def test_separate_lm_head(tmp_path) -> None:
     model_dir = save_tiny_hf("llama", str(tmp_path), tie_word_embeddings=False)
     arch, params = load_checkpoint(model_dir, np.float32)
     assert not arch.tie_word_embeddings and "lm_head" in params["params"]
-    ours = prompt_logits(LlamaForCausalLM(arch, jnp.float32), params, PROMPTS[0])
+    ours = prompt_logits(LlamaForCausalLM(arch), params, PROMPTS[0])
     assert np.abs(ours - hf_logits(model_dir, PROMPTS[0])).max() <= 1e-3

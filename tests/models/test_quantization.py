@@ -11,6 +11,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
+from jaxserve.models.llama import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.quantization import (
     INT8_LAYERS, dequantize_int8, model_variables, param_bytes, param_tree, quantize_int8, quantize_params)
@@ -74,7 +75,7 @@ def test_int8_model_is_the_dequantized_float_model(overrides: dict, tmp_path) ->
     assert ("lm_head/qweight" in kinds) == (not arch.tie_word_embeddings)
     assert param_bytes(qparams) < 0.4 * param_bytes(params)
 
-    qmodel, fmodel = LlamaForCausalLM(arch, jnp.float32, quantization="int8"), LlamaForCausalLM(arch, jnp.float32)
+    qmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(quantization="int8")), LlamaForCausalLM(arch)
     dparams = _dequantized_float_params(qparams)
     # 20 tokens take the CPU int8 kernel, 57 XLA's matmul (CPU_KERNEL_MAX_TOKENS = 32).
     short_ids = list(range(3, 23))
@@ -110,7 +111,7 @@ def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
     ids = jnp.zeros((4,), jnp.int32)
     from jaxserve.models import AttentionMetadata
     md = AttentionMetadata(ids, ids[:1], jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
-    model = LlamaForCausalLM(arch, jnp.float32, quantization="int8")
+    model = LlamaForCausalLM(arch, ModelOptions(quantization="int8"))
     init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape), md))
     assert INT8_LAYERS in init
     shapes = lambda t: jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), t)  # noqa: E731
@@ -141,9 +142,9 @@ def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> No
     model_dir = save_tiny_hf("llama", str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)
     ids = list(range(3, 60))
-    f = prompt_logits(LlamaForCausalLM(arch, jnp.float32, attention_backend=backend), params, ids)
+    f = prompt_logits(LlamaForCausalLM(arch, ModelOptions(attention_backend=backend)), params, ids)
     for kv in ("fp8_e4m3", "fp8_e5m2"):
-        model = LlamaForCausalLM(arch, jnp.float32, attention_backend=backend, kv_cache_dtype=kv)
+        model = LlamaForCausalLM(arch, ModelOptions(attention_backend=backend, kv_cache_dtype=kv))
         q = prompt_logits(model, params, ids)  # a uint8 cache holding fp8 bits
         assert np.isfinite(q).all()
         assert 0 < np.abs(q - f).max() < 0.05 * np.abs(f).max()
@@ -170,6 +171,6 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
     cache = jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
     for m, uses_kernel in ((None, True), (mesh, False)):
-        model = LlamaForCausalLM(arch, jnp.float32, quantization="int8", mesh=m)
+        model = LlamaForCausalLM(arch, ModelOptions(quantization="int8", mesh=m))
         hlo = jax.jit(lambda v: model.apply(v, ids, ids, cache, md)).lower(variables).as_text()
         assert (cpu.TARGET in hlo) == uses_kernel

@@ -240,6 +240,37 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `structured_outputs_config`; the grammar engine is llguidance (vLLM's "guidance"
+    backend). `disable_additional_properties`: a JSON schema's objects that do not say
+    `additionalProperties` get `false`, so a model cannot add keys until `max_tokens` (vLLM's
+    option for its guidance backend)."""
+
+    backend: str = "guidance"
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "guidance"):
+            raise ValueError("structured_outputs_config.backend must be 'guidance' (llguidance) "
+                             f"or 'auto', got {self.backend!r}")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError("structured_outputs_config.disable_additional_properties must be "
+                             f"a bool, got {self.disable_additional_properties!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsConfig:
+        """From `--structured-outputs-config` JSON / `LLM(structured_outputs_config={...})`."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs_config must be an object, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown} "
+                             f"(known: {sorted(known)})")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, one section per box."""
 
@@ -255,6 +286,7 @@ class EngineConfig:
     # Per-request traces box by box (jaxserve.request_trace); cheap enough to leave on.
     request_tracing: bool = True
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @property
     def batch_queue_size(self) -> int:

@@ -52,8 +52,10 @@ class LLM:
         self.config = built.config
         self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
         # The checks shared with the API server (jaxserve/engine/processor.py).
-        self.processor = Processor(self.config.scheduler_config.max_model_len,
-                                   built.worker.arch.vocab_size, frozenset(self._model_eos))
+        self.processor = Processor(
+            self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
+            frozenset(self._model_eos),
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:

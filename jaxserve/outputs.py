@@ -20,6 +20,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the engine could not go on with it (its grammar matcher failed)
 
     def __str__(self) -> str:
         return self.value

@@ -28,6 +28,12 @@ _INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0
 
+# bad_words, once tokenized (each word as it stands and after a space): at most this many
+# token sequences per request, each at most this long. The worker keeps every slot's
+# sequences in a fixed [slots, MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS] table.
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 16
+
 # Temperatures below this are treated as greedy sampling (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 
@@ -87,6 +93,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | Sequence[Sequence[float]] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (None: any).
+    allowed_token_ids: Sequence[int] | None = None
+    # vLLM's bad_words: never produced. The input processor tokenizes them into
+    # bad_words_token_ids (jaxserve/engine/processor.py); the sampler bans a sequence's last
+    # token wherever the output so far ends with the rest of it.
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         # Normalise first so that validation reads the stored form.
@@ -111,6 +124,15 @@ class SamplingParams:
             object.__setattr__(self, "structured_outputs", tuple(self.structured_outputs))
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        try:
+            seqs = tuple(tuple(s) for s in self.bad_words_token_ids or ())
+        except TypeError:
+            raise ValueError("bad_words_token_ids must be lists of token ids, got "
+                             f"{self.bad_words_token_ids!r:.100}") from None
+        object.__setattr__(self, "bad_words_token_ids", seqs)
         self._verify_args()
 
     def _verify_args(self) -> None:
@@ -172,6 +194,26 @@ class SamplingParams:
         ):
             raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (omit it to allow any token)")
+            for tok in self.allowed_token_ids:
+                if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
+                    raise ValueError(f"allowed_token_ids must contain only ints in "
+                                     f"[0, {_INT32_MAX}], got {tok!r}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}")
+        seqs = self.bad_words_token_ids
+        if len(seqs) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(f"bad_words may make at most {MAX_BAD_WORD_SEQUENCES} token "
+                             f"sequences (each word as it stands and after a space), got {len(seqs)}")
+        for seq in seqs:
+            if not 1 <= len(seq) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} tokens, "
+                                 f"got {len(seq)}")
+            if not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in seq):
+                raise ValueError(f"bad_words_token_ids must contain only token ids, got {seq!r}")
         so = self.structured_outputs
         if so is not None and (len(so) != 2 or not all(isinstance(x, str) for x in so) or so[0]
                                not in ("json", "json_object", "regex", "choice", "grammar")):
@@ -189,6 +231,12 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def bans_by_history(self) -> bool:
+        """Whether a bad word of several tokens makes the sampler read the output so far (such
+        a request gets no speculative drafts: the sampler checks one token a step)."""
+        return any(len(s) > 1 for s in self.bad_words_token_ids)
 
     def with_model_eos(self, eos_token_ids: Collection[int]) -> SamplingParams:
         """These params with the model's other EOS ids (generation_config's list, a GGUF's

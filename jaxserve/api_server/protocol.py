@@ -20,9 +20,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
+
+from jaxserve.sampling_params import MAX_BAD_WORD_SEQUENCES
 
 logger = logging.getLogger("jaxserve.api_server")
 
@@ -30,6 +34,7 @@ logger = logging.getLogger("jaxserve.api_server")
 # lands in the worker's arrays.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+
 MAX_N = 128  # OpenAI's cap on choices per request
 
 
@@ -132,8 +137,32 @@ class StructuredOutputsFields(OpenAIRequest):
     json_object: bool | None = None
 
 
+# vLLM's request fields jaxserve does not implement, with the value that asks for nothing:
+# that value is accepted, any other is a 400 naming the field (never ignored). README's
+# "Sampling parameters" lists them.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structural_tag": None,
+    "prompt_embeds": None,
+    "mm_processor_kwargs": None,
+    "documents": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "thinking_token_budget": None,
+}
+
+
 class SamplingRequestFields(OpenAIRequest):
     """The sampling fields shared by completions and chat completions (vLLM's names)."""
+
 
     model: Text | None = None
     n: Annotated[WholeInt, Field(ge=1, le=MAX_N)] = 1
@@ -152,6 +181,10 @@ class SamplingRequestFields(OpenAIRequest):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    # Bounded before tokenizing: each word makes at least one of the request's sequences.
+    bad_words: Annotated[list[Annotated[NonEmptyText, Field(max_length=1000)]],
+                         Field(max_length=MAX_BAD_WORD_SEQUENCES)] | None = None
     ignore_eos: bool = False
     min_tokens: Count = 0
     skip_special_tokens: bool = True
@@ -167,6 +200,32 @@ class SamplingRequestFields(OpenAIRequest):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # vLLM's fields jaxserve does not implement (UNSUPPORTED_FIELDS): refused unless default.
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    spaces_between_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = False
+    return_token_ids: Any = False
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    prompt_embeds: Any = None
+    mm_processor_kwargs: Any = None
+    documents: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    thinking_token_budget: Any = None
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        default = UNSUPPORTED_FIELDS[info.field_name]
+        if value != default:
+            raise ValueError(f"{info.field_name} is not supported by jaxserve (only "
+                             f"{default!r} is accepted)")
+        return value
 
 
 # --- completions ----------------------------------------------------------------------

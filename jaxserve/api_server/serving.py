@@ -94,6 +94,15 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def sse_finish_error(out: Any) -> str | None:
+    """The in-band error event after a choice the engine ended with finish_reason "error" (its
+    grammar could not go on: `stop_reason` says why), or None for any other choice."""
+    if out.finish_reason != "error":
+        return None
+    return sse(error_body(str(out.stop_reason or "generation failed"),
+                          HTTPStatus.BAD_REQUEST).model_dump_json())
+
+
 def sse_error(e: BaseException, where: str) -> str:
     err = error_from_exception(e, where)
     return sse(error_body(err.message, err.status, err.param).model_dump_json())
@@ -142,7 +151,11 @@ class ServingContext:
         if not self.max_token_chars:
             self.max_token_chars = longest_token_chars(self.tokenizer)
         self.processor = Processor(self.max_model_len, self.vocab_size,
-                                   self.model_eos_token_ids, self.max_logprobs)
+                                   self.model_eos_token_ids, self.max_logprobs,
+                                   encode=self._encode_plain)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def model_name(self) -> str:
@@ -247,6 +260,7 @@ class ServingContext:
             min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs,
+            allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
         )
         optional = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                         min_p=request.min_p, repetition_penalty=request.repetition_penalty,

@@ -39,6 +39,7 @@ from jaxserve.api_server.serving import (
     prompt_logprobs_info,
     sse,
     sse_error,
+    sse_finish_error,
     stop_holdback,
     visible_text_end,
 )
@@ -143,6 +144,7 @@ class OpenAIServingChat:
             ).model_dump_json(exclude=exclude))
 
         sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        errors: list[str] = []  # error events of choices that ended with an error
         holdback = stop_holdback(request)
         try:
             # OpenAI's first chunk of each choice carries the role only.
@@ -173,8 +175,12 @@ class OpenAIServingChat:
                             index=k, delta=delta_message(delta), logprobs=lps,
                             finish_reason=parsers[k].finish_reason(out.finish_reason),
                             stop_reason=out.stop_reason))
+                        if finished and (event := sse_finish_error(out)) is not None:
+                            errors.append(event)
                     if choices:
                         yield chunk(choices)
+                    while errors:
+                        yield errors.pop(0)
             if include_usage:
                 num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
                 yield sse(ChatCompletionStreamResponse(

@@ -26,6 +26,7 @@ from jaxserve.api_server.serving import (
     prompt_logprobs_info,
     sse,
     sse_error,
+    sse_finish_error,
     stop_holdback,
     visible_text_end,
 )
@@ -147,15 +148,20 @@ class OpenAIServingCompletion:
             async with aclosing(merge_async_iterators(*gens)) as results:
                 async for i, res in results:
                     choices = []
+                    errors = []  # error events of choices that ended with an error
                     for out in res.outputs:
                         choice = self._delta(request, prompts, i, res, out, sent_chars[i],
                                              sent_tokens[i], done[i], holdback)
                         if choice is not None:
                             choices.append(choice)
+                            if choice.finish_reason and (event := sse_finish_error(out)):
+                                errors.append(event)
                     if choices:
                         chunk = CompletionStreamResponse(id=request_id, created=created,
                                                          model=model, choices=choices)
                         yield sse(chunk.model_dump_json(exclude=exclude))
+                    for event in errors:
+                        yield event
             if include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 num_generated = sum(map(sum, sent_tokens))

@@ -26,6 +26,7 @@ from jaxserve.config import (
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -122,6 +123,11 @@ class EngineArgs:
         "scheduler", 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens":'
         ' 4}\' (keys: prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); turns off '
         "async scheduling", type=json_object, metavar="JSON"))
+    structured_outputs_config: dict | StructuredOutputsConfig | None = field(
+        default=None, metadata=_arg(
+            "scheduler", 'structured outputs, e.g. \'{"disable_additional_properties": true}\' '
+            "(JSON schemas' objects without additionalProperties get false); the backend is "
+            "llguidance", type=json_object, metavar="JSON"))
     # parallel
     tensor_parallel_size: int = field(default=1, metadata=_arg(
         "parallel", "devices each layer is split over", "-tp", type=int))
@@ -191,6 +197,9 @@ class EngineArgs:
         spec = self.speculative_config
         if isinstance(spec, dict):
             spec = SpeculativeConfig.from_dict(spec)
+        so = self.structured_outputs_config or StructuredOutputsConfig()
+        if isinstance(so, dict):
+            so = StructuredOutputsConfig.from_dict(so)
         # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
         # speculation without async scheduling too).
         async_scheduling = self.async_scheduling and spec is None
@@ -227,7 +236,7 @@ class EngineArgs:
                 distributed_process_id=self.distributed_process_id),
             enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret, request_tracing=self.request_tracing,
-            speculative_config=spec)
+            speculative_config=spec, structured_outputs_config=so)
 
 
 def _policy(value: str) -> SchedulingPolicy:

@@ -9,7 +9,8 @@ engine); what a field may hold on its own is `SamplingParams`' to say. A refusal
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.engine_core.sched_utils import EMPTY_PROMPT, prompt_too_long
@@ -35,6 +36,8 @@ class Processor:
     vocab_size: int
     model_eos_token_ids: frozenset[int] = frozenset()  # besides the tokenizer's own
     max_logprobs: int = 20  # --max-logprobs
+    # The served tokenizer's text -> ids without special tokens (bad_words are tokenized here).
+    encode: Callable[[str], list[int]] | None = field(default=None, compare=False)
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """The prompt against max_model_len and the vocabulary; returns max_tokens (None: as
@@ -80,12 +83,36 @@ class Processor:
                                     f"got {params.top_k}", "top_k")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidInputError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        if params.allowed_token_ids is not None and any(
+                not 0 <= t < vocab for t in params.allowed_token_ids):
+            raise InvalidInputError(f"allowed_token_ids must be in [0, {vocab})",
+                                    "allowed_token_ids")
+        if params.bad_words and not params.bad_words_token_ids:
+            params = self._tokenize_bad_words(params)
+        if any(not 0 <= t < vocab for s in params.bad_words_token_ids for t in s):
+            raise InvalidInputError(f"bad_words_token_ids must be in [0, {vocab})", "bad_words")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise InvalidInputError(f"{name} must be at most {self.max_logprobs} "
                                         f"(--max-logprobs), got {value}", name)
         return params.with_model_eos(self.model_eos_token_ids)
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """Each bad word as it stands and after a space (vLLM's two spellings of a word), as
+        token sequences; the sampler bans them."""
+        if self.encode is None:
+            raise InvalidInputError("bad_words need the served tokenizer", "bad_words")
+        seqs: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            for spelling in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.encode(spelling))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        try:
+            return dataclasses.replace(params, bad_words_token_ids=seqs)
+        except ValueError as e:
+            raise InvalidInputError(str(e), "bad_words") from None
 
     @staticmethod
     def _build(kwargs: dict[str, Any]) -> SamplingParams:

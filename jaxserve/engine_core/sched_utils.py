@@ -27,6 +27,10 @@ def check_new_request(request: Request, max_model_len: int) -> None:
         raise InvalidRequestError(EMPTY_PROMPT)
     if request.num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(prompt_too_long(request.num_prompt_tokens, max_model_len))
+    p = request.sampling_params
+    if p.bad_words and not p.bad_words_token_ids:
+        raise InvalidRequestError("bad_words must be tokenized by the input processor "
+                                  "(SamplingParams.bad_words_token_ids)")
 
 
 def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:

@@ -83,9 +83,11 @@ class NgramProposer:
 def can_speculate(params: SamplingParams) -> bool:
     """Requests whose verification would need per-draft sampler state get no drafts:
     penalties (output counts change along the drafts), logprobs (one row per emitted
-    token) and structured outputs (the grammar must advance over each draft)."""
+    token), structured outputs (the grammar must advance over each draft) and bad words of
+    several tokens (the sampler checks them against one new token a step)."""
     return (
         params.structured_outputs is None
+        and not params.bans_by_history
         and params.logprobs is None
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0

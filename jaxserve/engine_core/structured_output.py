@@ -38,6 +38,8 @@ def grammar_text(kind: str, spec: str, validate: bool = True) -> str:
         raise ValueError(f"unknown structured output kind {kind!r} (one of {sorted(KINDS)})")
     if kind == "json_object":
         spec = '{"type": "object"}'
+    if kind == "choice":
+        _check_choices(spec)
     try:
         grammar = llguidance.grammar_from(KINDS[kind], spec)
     except (ValueError, json.JSONDecodeError) as e:
@@ -48,13 +50,55 @@ def grammar_text(kind: str, spec: str, validate: bool = True) -> str:
     return grammar
 
 
+def _check_choices(spec: str) -> None:
+    """A choice list the grammar engine can follow: at least one string, and fewer than its
+    parser's items per row (one per choice, one more: past that it fails mid-generation)."""
+    import llguidance
+
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid choice: {e}") from None
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise ValueError("invalid choice: it must be a list of strings")
+    if not choices:
+        raise ValueError("invalid choice: the list is empty")
+    limit = llguidance.LLParserLimits().max_items_in_row - 1
+    if len(choices) > limit:
+        raise ValueError(f"invalid choice: {len(choices)} strings, but the grammar engine "
+                         f"(llguidance) follows at most {limit}")
+
+
+def close_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that does not say
+    (vLLM's disable_additional_properties), through properties, items, combinators and $defs."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (close_objects(v) if k in _SUBSCHEMA_LISTS or k in _SUBSCHEMAS else
+               {n: close_objects(s) for n, s in v.items()} if k in _SUBSCHEMA_MAPS
+               and isinstance(v, dict) else v)
+           for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = {"items", "additionalProperties", "not", "if", "then", "else", "contains"}
+_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
+
+
 class StructuredOutputManager:
     """Grammar matchers of the engine core's structured-output requests."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any] | None = None, vocab_size: int = 0) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any] | None = None, vocab_size: int = 0,
+                 disable_additional_properties: bool = False) -> None:
         """Without `load_tokenizer` (a scheduler built alone), grammar requests are refused."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
+        self.disable_additional_properties = disable_additional_properties
         self._ll_tokenizer: Any = None  # built on the first structured request (~0.5 s)
         self.matchers: dict[str, Any] = {}
 
@@ -76,6 +120,11 @@ class StructuredOutputManager:
         if self._load_tokenizer is None:
             raise InvalidRequestError("structured outputs are not available in this engine")
         kind, spec = request.sampling_params.structured_outputs
+        if kind == "json" and self.disable_additional_properties:
+            try:
+                spec = json.dumps(close_objects(json.loads(spec)))
+            except json.JSONDecodeError:
+                pass  # the matcher reports the schema's error
         try:
             # Not validated first: the matcher compiles the grammar anyway and says if it fails.
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec, validate=False))
@@ -94,12 +143,17 @@ class StructuredOutputManager:
     def remove_request(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def accept_tokens(self, req_id: str, token_ids: list[int]) -> None:
+    def accept_tokens(self, req_id: str, token_ids: list[int]) -> str | None:
+        """Advance `req_id`'s matcher; the grammar engine's error if it cannot (the scheduler
+        then ends the request), else None."""
         matcher = self.matchers.get(req_id)
         if matcher is not None and not matcher.is_stopped():
             if not matcher.consume_tokens(token_ids):
+                error = matcher.get_error() or "the grammar rejected the token"
                 logger.warning("request %s: token(s) %s rejected by its grammar: %s", req_id,
-                               token_ids, matcher.get_error())
+                               token_ids, error)
+                return f"structured output failed: {error.splitlines()[0]}"
+        return None
 
     def bitmask(self, req_id: str) -> np.ndarray:
         """int32[ceil(vocab / 32)]: bit t of word t // 32 set = token t allowed next."""

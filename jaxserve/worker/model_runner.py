@@ -45,7 +45,7 @@ from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buc
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
 from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_programs
-from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs
+from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, with_sampled
 from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
                                             verify_inputs)
@@ -239,8 +239,11 @@ class ModelRunner:
         rows = jax.lax.optimization_barrier(hidden[:num_rows])
         logits = self.model.apply(params, rows, method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
-        processors = LogitsProcessors(penalties.stop_mask[rows], penalties.bias_ids[rows],
-                                      penalties.bias_values[rows], bitmask)
+        processors = LogitsProcessors(
+            penalties.stop_mask[rows], penalties.bias_ids[rows], penalties.bias_values[rows],
+            bitmask, banned_mask=penalties.banned_mask[rows],
+            bad_prefixes=penalties.bad_prefixes[rows], bad_last=penalties.bad_last[rows],
+            recent=penalties.recent[rows])
         args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
                 processors)
         out = rejection_sample(*args, *drafts) if verify else sample(*args)
@@ -250,7 +253,12 @@ class ModelRunner:
                                        ].set(out.sampled, mode="drop")
         counted = jnp.where(real if not verify else real & out.emitted, slots, S)
         counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
-        return last_sampled, dataclasses.replace(penalties, output_counts=counts), out
+        # One token a step per request: in a verification step only a request without drafts
+        # (every request whose bad words read `recent`) is right, the others are not read.
+        recent = with_sampled(penalties.recent, slots, rows, out.sampled,
+                              real if not verify else real & out.final)
+        return last_sampled, dataclasses.replace(penalties, output_counts=counts,
+                                                 recent=recent), out
 
     # ---- per step ----------------------------------------------------------------------
 
@@ -341,7 +349,8 @@ class ModelRunner:
                 num_prompt_tokens=len(new.prompt_token_ids),
             )
             stop = p.all_stop_token_ids(new.eos_token_id) if p.min_tokens else ()
-            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias)
+            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias,
+                             p.allowed_token_ids, p.bad_words_token_ids)
 
     def _admit_slot(self, slot: int, *args: Any) -> None:
         """Reset `slot`'s sampler state for a request: admit_inputs' arguments."""

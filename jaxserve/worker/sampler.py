@@ -1,7 +1,8 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
     raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
-                └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask ─▶ logit_bias
+                └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask
+                    ─▶ allowed_token_ids and bad_words ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
                     over output) ─▶ greedy argmax (temperature 0)
                     ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.worker.penalty_state import ANY_TOKEN
 
 MAX_LOGPROBS = 20  # top-N returned at most (SamplingParams caps logprobs at this)
 _NEG_INF = -jnp.inf
@@ -75,6 +78,11 @@ class LogitsProcessors:
     # Structured outputs: i32[R, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed
     # (all bits set on rows without a grammar); None when no row of the step has one.
     allowed_bitmask: jax.Array | None = None
+    # allowed_token_ids and bad_words (worker/penalty_state.py has their layout); None: none.
+    banned_mask: jax.Array | None = None  # bool[R, V]: never sampled
+    bad_prefixes: jax.Array | None = None  # i32[R, W, P]: a bad word's tokens before its last
+    bad_last: jax.Array | None = None  # i32[R, W]: its last token (V: unused entry)
+    recent: jax.Array | None = None  # i32[R, P]: the row's latest output tokens
 
 
 @jax.tree_util.register_dataclass
@@ -107,7 +115,9 @@ def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
                             lp: LogitsProcessors) -> jax.Array:
     """min_tokens: EOS and stop ids cannot be sampled before the request has min_tokens
     outputs (vLLM's MinTokensLogitsProcessor). Structured outputs: only the tokens the
-    grammar allows. logit_bias: added to the logits (OpenAI's)."""
+    grammar allows. allowed_token_ids and one-token bad words: a fixed mask; a longer bad
+    word: its last token, where the output so far ends with the rest of it (vLLM's order:
+    output tokens only). logit_bias: added to the logits (OpenAI's)."""
     early = (md.positions < md.min_tokens_end)[:, None]
     logits = jnp.where(early & lp.stop_mask, _NEG_INF, logits)
     if lp.allowed_bitmask is not None:
@@ -116,6 +126,13 @@ def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
         allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
         logits = jnp.where(allowed, logits, _NEG_INF)
     rows = jnp.arange(logits.shape[0])[:, None]
+    if lp.banned_mask is not None:
+        logits = jnp.where(lp.banned_mask, _NEG_INF, logits)
+    if lp.bad_prefixes is not None:
+        p = lp.bad_prefixes
+        match = jnp.all((p == ANY_TOKEN) | (p == lp.recent[:, None, :]), axis=-1)  # [R, W]
+        ids = jnp.where(match, lp.bad_last, logits.shape[-1])
+        logits = logits.at[rows, ids].set(_NEG_INF, mode="drop")
     return logits.at[rows, lp.bias_ids].add(lp.bias_values, mode="drop")
 
 

@@ -221,6 +221,24 @@ def test_logit_bias(server: RemoteServer, client: openai.OpenAI) -> None:
             client.completions.create(model=MODEL, prompt="x", logit_bias=bias)
 
 
+def test_bad_words_and_allowed_token_ids(server: RemoteServer, client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                       temperature=0.0, extra_body={"ignore_eos": True})
+    word = greedy.choices[0].text.split()[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert word not in r.choices[0].text.split() and r.choices[0].text != greedy.choices[0].text
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": " yes no maybe",
+                                                    "add_special_tokens": False},
+                     timeout=10).json()["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=10, temperature=1.0,
+                                       seed=3, logprobs=True,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": ids})
+    texts = {httpx.post(server.url("/detokenize"), json={"tokens": [i]}, timeout=10).json()["prompt"]
+             for i in ids}
+    assert {t.token for t in r.choices[0].logprobs.content} <= texts
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
@@ -283,6 +301,18 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
      "top_logprobs", ["20"]),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", ["messages"]),
     ("/v1/chat/completions", {"messages": HI, "stop": [""]}, 400, "stop", ["stop"]),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search",
+     ["use_beam_search is not supported"]),
+    ("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 8}, 400,
+     "truncate_prompt_tokens", ["not supported", "None"]),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids",
+     ["49152"]),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids",
+     ["at least 1"]),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400,
+     "structured_outputs", ["empty"]),
+    ("/v1/completions", {"prompt": "x", "guided_choice": [f"option {i}" for i in range(5000)]},
+     400, "guided_choice", ["5000 strings", "1999"]),
 ])
 def test_errors(server: RemoteServer, path: str, body: dict, status: int, param: str,
                 words: list[str]) -> None:

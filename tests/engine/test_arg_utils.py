@@ -79,3 +79,13 @@ def test_bad_arguments_are_value_errors_naming_the_field() -> None:
         make_engine_config(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
         make_engine_config(max_num_seqs=0)
+
+
+def test_structured_outputs_config() -> None:
+    cfg = make_engine_config(structured_outputs_config={"disable_additional_properties": True})
+    assert cfg.structured_outputs_config.disable_additional_properties
+    assert not make_engine_config().structured_outputs_config.disable_additional_properties
+    with pytest.raises(ValueError, match=r"unknown keys \['strict'\]"):
+        make_engine_config(structured_outputs_config={"strict": True})
+    with pytest.raises(ValueError, match="backend must be 'guidance'"):
+        make_engine_config(structured_outputs_config={"backend": "xgrammar"})

@@ -49,3 +49,56 @@ def test_a_scheduler_without_a_tokenizer_refuses_grammar_requests() -> None:
     with pytest.raises(InvalidRequestError, match="not available"):
         StructuredOutputManager().add_request(
             Request("r", [1], SamplingParams(structured_outputs=("regex", "a+"))))
+
+
+def test_choice_lists_the_grammar_engine_cannot_follow_are_refused() -> None:
+    with pytest.raises(ValueError, match="the list is empty"):
+        grammar_text("choice", "[]")
+    with pytest.raises(ValueError, match="5000 strings, but the grammar engine"):
+        grammar_text("choice", json.dumps([f"option {i}" for i in range(5000)]))
+    grammar_text("choice", json.dumps([f"option {i}" for i in range(1999)]))  # the most it follows
+
+
+def test_a_matcher_that_fails_mid_generation_ends_the_request_with_an_error() -> None:
+    """The sampler masks with the grammar, so a rejected token means the grammar engine itself
+    failed: fed a token outside the grammar, the request finishes with "error", never goes on
+    unconstrained."""
+    from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+    from jaxserve.outputs import FinishReason
+
+    from .helpers import make_scheduler, schedule
+
+    tok = load_tokenizer(None)
+    sched = make_scheduler()
+    sched.structured_output = StructuredOutputManager(lambda: tok, 49152)
+    sched.add_request(Request("g", [1, 2, 3], SamplingParams(
+        max_tokens=8, structured_outputs=("regex", "[0-9]+"))))
+    so = schedule(sched)
+    letter = tok("x", add_special_tokens=False).input_ids[0]
+    (out,) = sched.update_from_output(so, ModelRunnerOutput(["g"], {"g": 0}, [[letter]]))
+    assert out.finish_reason is FinishReason.ERROR
+    assert "structured output failed" in out.stop_reason
+    assert not sched.has_unfinished_requests() and "g" not in sched.structured_output.matchers
+
+
+def test_disable_additional_properties_closes_the_schemas_objects() -> None:
+    """vLLM's structured_outputs_config.disable_additional_properties: an object that does not
+    say additionalProperties takes no other keys, so a model cannot add keys forever."""
+    from jaxserve.engine_core.structured_output import close_objects
+
+    tok = load_tokenizer(None)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "array", "items": {"type": "object"}}},
+              "required": ["a"]}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["b"]["items"]["additionalProperties"] is False
+    assert close_objects({"type": "object", "additionalProperties": True}) == {
+        "type": "object", "additionalProperties": True}  # what the schema says stands
+    for disable, comma_allowed in ((False, True), (True, False)):
+        so = StructuredOutputManager(lambda: tok, 49152, disable_additional_properties=disable)
+        so.add_request(Request("r", [1], SamplingParams(
+            structured_outputs=("json", json.dumps({**schema, "required": ["a", "b"]})))))
+        so.accept_tokens("r", tok('{"a": 1, "b": []', add_special_tokens=False).input_ids)
+        nxt = {tok.decode([t]) for t in allowed(so.bitmask("r"), 49152)}
+        assert any(s.lstrip().startswith(",") for s in nxt) == comma_allowed, sorted(nxt)[:20]

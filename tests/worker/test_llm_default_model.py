@@ -240,3 +240,47 @@ def test_structured_outputs_with_sampling(llm: LLM) -> None:
     assert outs[3].outputs[0].text in ("yes", "no", "maybe")
     assert re.fullmatch(r"\d{3}-\d{4}", outs[4].outputs[0].text)
     assert len(outs[5].outputs[0].token_ids) == 16
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_bad_words_and_allowed_token_ids_beside_unconstrained_requests(llm: LLM, reference) -> None:
+    """bad_words (one-token and longer words) never come out and allowed_token_ids bound the
+    output, greedy and sampled, while unconstrained greedy requests in the same batch keep
+    their reference tokens."""
+    tok = llm.get_tokenizer()
+    # Words the greedy continuation of PROMPTS[0] and PROMPTS[8] produces: banning them must
+    # change the output.
+    first = tok.decode(reference[0][:1]).strip()
+    text8 = tok.decode(reference[8])
+    word8 = max(text8.split(), key=len)
+    bad = [first, word8]
+    allowed = sorted(set(reference[3]) | set(tok(" the a of and", add_special_tokens=False).input_ids))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, bad_words=bad),
+        SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, bad_words=bad,
+                       seed=5),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                       allowed_token_ids=allowed, seed=6),
+        GREEDY, GREEDY,
+    ]
+    prompts = [PROMPTS[0], PROMPTS[8], PROMPTS[3], PROMPTS[3], PROMPTS[1], PROMPTS[2]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    banned_seqs = {tuple(tok.encode(s, add_special_tokens=False))
+                   for w in bad for s in (w, " " + w)}
+    for o in outs[:2]:
+        ids = o.outputs[0].token_ids
+        assert len(ids) == NEW_TOKENS
+        assert not any(_contains(ids, s) for s in banned_seqs), (o.outputs[0].text, bad)
+    assert outs[0].outputs[0].token_ids != reference[0]
+    for o in outs[2:4]:
+        assert set(o.outputs[0].token_ids) <= set(allowed)
+    assert token_ids(outs[4:]) == [reference[1], reference[2]]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])

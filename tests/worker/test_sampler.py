@@ -173,3 +173,42 @@ def test_min_tokens_masks_stop_ids_and_logit_bias_adds(logits) -> None:
     raw = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
     np.testing.assert_allclose(np.asarray(out.logprobs)[:, 1:], np.sort(raw, -1)[:, ::-1][:, :20],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_banned_tokens_and_bad_words_against_a_reference(logits) -> None:
+    """The worker's tables (admit_inputs) and the sampler's check, against vLLM's rule: a bad
+    word's last token is banned where the output so far ends with the rest of it."""
+    from jaxserve.worker.penalty_state import admit_inputs, with_sampled
+
+    words = [(5,), (11, 12), (20, 21, 22)]
+    outputs = [[], [11], [20, 21], [1, 20, 21], [21], [3]]  # each row's output so far
+    allowed = [None, None, None, None, [12, 22, 30], None]
+    tables = [admit_inputs(8, V, [1], out, (), (), allowed[i], words) for i, out in enumerate(outputs)]
+    *_, allowed_ids, any_allowed, banned, prefixes, last, recent = zip(*tables)
+    banned_mask = np.zeros((R, V), bool)
+    for i in range(R):
+        if not any_allowed[i]:
+            banned_mask[i] = ~np.isin(np.arange(V), allowed_ids[i])
+        banned_mask[i, [t for t in banned[i] if t < V]] = True
+    lp = LogitsProcessors(jnp.zeros((R, V), bool), jnp.full((R, 1), V, jnp.int32),
+                          jnp.zeros((R, 1), jnp.float32), banned_mask=jnp.asarray(banned_mask),
+                          bad_prefixes=jnp.asarray(np.stack(prefixes)),
+                          bad_last=jnp.asarray(np.stack(last)), recent=jnp.asarray(np.stack(recent)))
+    x = logits.copy()
+    x[:, [5, 12, 22]] = 60.0, 50.0, 40.0  # the bad words' last tokens would win greedy
+    out = sample(jnp.asarray(x), jnp.zeros((R, V), bool), jnp.zeros((R, V), jnp.int32),
+                 metadata(temperature=np.zeros(R)), processors=lp)
+    expect = x.copy()
+    for i, past in enumerate(outputs):
+        if allowed[i] is not None:
+            expect[i, ~np.isin(np.arange(V), allowed[i])] = -np.inf
+        for w in words:
+            if len(w) - 1 <= len(past) and tuple(past[len(past) - len(w) + 1:]) == w[:-1]:
+                expect[i, w[-1]] = -np.inf
+    np.testing.assert_array_equal(np.asarray(out.sampled), expect.argmax(-1))
+    assert np.asarray(out.sampled).tolist()[:4] == [12, 22, 12, 12]  # 5 always out; 12 after 11
+    # The window moves on with each sampled token (rows that sampled).
+    rec = with_sampled(jnp.asarray(np.stack(recent)), jnp.arange(R), jnp.arange(R),
+                       out.sampled, jnp.asarray([True] * 5 + [False]))
+    assert np.asarray(rec)[1, -2:].tolist() == [11, int(out.sampled[1])]
+    assert np.asarray(rec)[5].tolist() == list(np.stack(recent)[5])

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class SchedulingPolicy(enum.Enum):
@@ -228,15 +228,20 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         """From `--speculative-config` JSON / `LLM(speculative_config={...})`."""
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be an object, got {d!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+        _check_keys(cls, "speculative_config", d)
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         return cls(**d)
+
+
+def _check_keys(cls: type, name: str, d: Any) -> None:
+    """A config given as a JSON object (`--speculative-config`, ...) holds only `cls`'s fields."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{name} must be an object, got {d!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown} (known: {sorted(known)})")
 
 
 @dataclass(frozen=True)
@@ -260,13 +265,7 @@ class StructuredOutputsConfig:
     @classmethod
     def from_dict(cls, d: dict) -> StructuredOutputsConfig:
         """From `--structured-outputs-config` JSON / `LLM(structured_outputs_config={...})`."""
-        if not isinstance(d, dict):
-            raise ValueError(f"structured_outputs_config must be an object, got {d!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs_config: unknown keys {unknown} "
-                             f"(known: {sorted(known)})")
+        _check_keys(cls, "structured_outputs_config", d)
         return cls(**d)
 
 

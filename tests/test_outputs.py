@@ -4,7 +4,7 @@ from jaxserve.outputs import CompletionOutput, FinishReason, RequestMetrics, Req
 
 
 def test_finish_reason_values_are_openai_strings():
-    assert [r.value for r in FinishReason] == ["stop", "length", "abort"]
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]
     assert str(FinishReason.LENGTH) == "length"
 
 

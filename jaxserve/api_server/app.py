@@ -43,7 +43,9 @@ from jaxserve.api_server.serving import (
     error_from_exception,
     error_response,
 )
+from jaxserve.api_server.responses_protocol import ResponsesRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
+from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
                                                        allow_headers=["*"])))
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    responses = OpenAIServingResponses(chat)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -106,6 +109,10 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, chat.create_chat_completion(body))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await run_until_disconnected(raw, responses.create_response(body))
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:

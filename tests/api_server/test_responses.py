@@ -1,0 +1,136 @@
+"""POST /v1/responses through the openai SDK and the OpenAI Agents SDK's default model: the
+default model behind `--enable-auto-tool-choice --tool-call-parser hermes`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 20}}}
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+        "parameters": WEATHER}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser",
+                       "hermes"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client()
+
+
+def test_create_whole_and_streamed_agree(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, instructions="Answer briefly.", input="What is the capital of France?",
+              max_output_tokens=16, temperature=0.0)
+    whole = client.responses.create(**kw)
+    assert whole.object == "response" and whole.status in ("completed", "incomplete")
+    assert whole.output_text and whole.output[-1].type == "message"
+    assert whole.usage.output_tokens > 0 and whole.usage.total_tokens == (
+        whole.usage.input_tokens + whole.usage.output_tokens)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert {"response.output_item.added", "response.content_part.added",
+            "response.output_text.done", "response.output_item.done"} <= set(kinds)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    # A chat-style list of messages is the same conversation as instructions + a string.
+    listed = client.responses.create(model=MODEL, max_output_tokens=16, temperature=0.0, input=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}])
+    assert listed.output_text == whole.output_text
+
+
+def test_a_function_tool_and_its_output_with_previous_response_id(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                    tools=[TOOL], tool_choice="required", temperature=0.0,
+                                    max_output_tokens=60, store=True)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=[TOOL], temperature=0.0,
+        max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                      "output": "sunny, 21 C"}])
+    assert second.output_text and second.previous_response_id == first.id
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    # Streamed, the call's arguments arrive as deltas.
+    events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=[TOOL],
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          temperature=0.0, max_output_tokens=60, stream=True))
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments and json.loads(args)["city"]
+
+
+def test_text_format_json_schema(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"type": "string", "maxLength": 20}}}
+    r = client.responses.create(model=MODEL, input="Capital of Italy, as JSON.", temperature=1.0,
+                                max_output_tokens=60, text={"format": {
+                                    "type": "json_schema", "name": "a", "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", ["input_image"]),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content", ["input_file"]),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", ["web_search"]),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", ["file_search"]),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", ["yaml"]),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ["greater than"]),
+])
+def test_unsupported_items_and_tools_are_400s(server: RemoteServer, body: dict, param: str,
+                                              words: list[str]) -> None:
+    r = httpx.post(server.url("/v1/responses"), json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err
+
+
+def test_the_agents_sdk_default_model_runs_a_function_tool(server: RemoteServer) -> None:
+    """The OpenAI Agents SDK's default model (OpenAIResponsesModel) runs an agent whose first
+    turn must call the tool; the SDK runs it and sends its output back for the final answer."""
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}, 21 C"
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="x")
+        agent = Agent(name="weather", instructions="Use the tool, then answer in one sentence.",
+                      tools=[get_weather],
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", temperature=0.0,
+                                                   max_tokens=60))
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        return str(result.final_output)
+
+    final = asyncio.run(run())
+    assert calls and final

@@ -32,7 +32,10 @@ class ResponsesRequest(SamplingRequestFields):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" | "json_object"}}
     store: bool | None = False
     previous_response_id: Text | None = None
-    metadata: dict[str, Any] | None = None
+    # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)],
+                             Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     # Accepted and echoed; jaxserve has no reasoning-effort knob (the model thinks or not).
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -60,7 +63,10 @@ class ResponseObject(OpenAIBaseModel):
     incomplete_details: dict[str, Any] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
-    metadata: dict[str, Any] | None = None
+    # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)],
+                             Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None

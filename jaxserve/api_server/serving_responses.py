@@ -48,23 +48,27 @@ class OpenAIServingResponses:
         """Translate, run the chat path, translate back; raises OpenAIError for a bad request."""
         if request.n != 1:
             raise OpenAIError("a response has one output: n must be 1", param="n")
-        history = self._history(request.previous_response_id)
-        messages = [*history, *input_messages(request.input)]
-        if not messages:
+        # The conversation is what the store keeps; instructions apply to this request only
+        # (a previous response's are not carried over, as in OpenAI's API).
+        conversation = [*self._history(request.previous_response_id),
+                        *input_messages(request.input)]
+        if not conversation:
             raise OpenAIError("input must hold at least one item", param="input")
-        if request.instructions:
-            messages.insert(0, {"role": "system", "content": request.instructions})
-        chat_request = self._chat_request(request, messages)
-        response_id = f"resp_{random_uuid()}"
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        chat_request = self._chat_request(request, [*system, *conversation])
+        response_id, created = f"resp_{random_uuid()}", int(time.time())
         reply = await self.chat.create_chat_completion(chat_request)
         if request.stream:
             assert isinstance(reply, StreamingResponse)
-            return StreamingResponse(self._stream(request, response_id, messages, reply),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(request, response_id, created, conversation, reply),
+                media_type="text/event-stream")
         body = json.loads(reply.body)
-        obj = self._response(request, response_id, body["choices"][0], body.get("usage"))
-        self._keep(request, response_id, messages, body["choices"][0]["message"])
-        return Response(obj.model_dump_json(), media_type="application/json")
+        obj = self._response(request, response_id, created, body["choices"][0], body.get("usage"))
+        self._keep(request, response_id, conversation, body["choices"][0]["message"])
+        # json.dumps: echoed fields (tools, text, reasoning) may hold lone surrogates, which
+        # it escapes and pydantic's JSON writer refuses.
+        return Response(json.dumps(obj.model_dump()), media_type="application/json")
 
     # ---- request -----------------------------------------------------------------------
 
@@ -108,7 +112,8 @@ class OpenAIServingResponses:
 
     # ---- reply -------------------------------------------------------------------------
 
-    def _response(self, request: ResponsesRequest, response_id: str, choice: dict[str, Any],
+    def _response(self, request: ResponsesRequest, response_id: str, created: int,
+                  choice: dict[str, Any],
                   usage: dict[str, Any] | None, output: list[dict[str, Any]] | None = None
                   ) -> ResponseObject:
         """The whole response object: its output items, status and usage."""
@@ -121,7 +126,7 @@ class OpenAIServingResponses:
             error = {"code": "server_error", "message": str(choice.get("stop_reason") or "")}
         u = usage or {}
         return ResponseObject(
-            id=response_id, created_at=int(time.time()), status=status, model=self.ctx.model_name,
+            id=response_id, created_at=created, status=status, model=self.ctx.model_name,
             output=output if output is not None else output_items(choice["message"]),
             usage=ResponseUsage(input_tokens=u.get("prompt_tokens", 0),
                                 output_tokens=u.get("completion_tokens", 0),
@@ -146,38 +151,42 @@ class OpenAIServingResponses:
         while len(self.store) > STORE_CAPACITY:
             self.store.popitem(last=False)
 
-    async def _stream(self, request: ResponsesRequest, response_id: str,
-                      messages: list[dict[str, Any]], reply: StreamingResponse
+    async def _stream(self, request: ResponsesRequest, response_id: str, created: int,
+                      conversation: list[dict[str, Any]], reply: StreamingResponse
                       ) -> AsyncIterator[str]:
         events = StreamEvents()
-        start = self._response(request, response_id, {"finish_reason": None}, None, output=[])
+        start = self._response(request, response_id, created, {"finish_reason": None}, None,
+                               output=[])
         start.status = "in_progress"
         yield events.emit("response.created", response=start.model_dump())
         yield events.emit("response.in_progress", response=start.model_dump())
         finish, usage, stop_reason = None, None, None
-        async for data in chunks(reply):
-            if "error" in data:
-                for e in events.close_all():
-                    yield e
-                yield events.emit("error", code=str(data["error"].get("code")),
-                                  message=data["error"].get("message"),
-                                  param=data["error"].get("param"))
-                return
-            usage = data.get("usage") or usage
-            for choice in data.get("choices") or []:
-                for e in events.delta(choice.get("delta") or {}):
-                    yield e
-                finish = choice.get("finish_reason") or finish
-                stop_reason = choice.get("stop_reason") or stop_reason
+        async with aclosing(chunks(reply)) as stream:
+            async for data in stream:
+                if "error" in data:  # in-band: the reply ends here, as a failed response
+                    for e in events.close_all():
+                        yield e
+                    err = data["error"]
+                    yield events.emit("error", code=str(err.get("code")),
+                                      message=err.get("message"), param=err.get("param"))
+                    finish, stop_reason = "error", err.get("message")
+                    break
+                usage = data.get("usage") or usage
+                for choice in data.get("choices") or []:
+                    for e in events.delta(choice.get("delta") or {}):
+                        yield e
+                    finish = choice.get("finish_reason") or finish
+                    stop_reason = choice.get("stop_reason") or stop_reason
         for e in events.close_all():
             yield e
-        final = self._response(request, response_id,
+        final = self._response(request, response_id, created,
                                {"finish_reason": finish, "stop_reason": stop_reason}, usage,
                                output=events.items)
+        if final.status != "failed":  # kept before the last event: a client may stop reading
+            self._keep(request, response_id, conversation, events.as_message())
         kind = {"completed": "response.completed", "incomplete": "response.incomplete",
                 "failed": "response.failed"}[final.status]
         yield events.emit(kind, response=final.model_dump())
-        self._keep(request, response_id, messages, events.as_message())
 
 
 class StreamEvents:
@@ -209,8 +218,11 @@ class StreamEvents:
     def _start(self, item: dict[str, Any]) -> list[str]:
         out = self.close_all()
         self.open = item
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            added["content"] = []  # its part arrives with response.content_part.added
         return out + [self.emit("response.output_item.added", output_index=len(self.items),
-                                item=dict(item))]
+                                item=added)]
 
     def _text(self, kind: str, text: str) -> list[str]:
         out: list[str] = []
@@ -335,13 +347,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
                     "function": {"name": str(item.get("name") or ""),
                                  "arguments": str(item.get("arguments") or "")}}
+            # An assistant turn's text and its calls are one message (a client replaying a
+            # turn sends the message item, then its function_call items).
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or "tool_calls" not in last:
-                last = {"role": "assistant", "content": "", "tool_calls": []}
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
                 if reasoning:
                     last["reasoning"], reasoning = reasoning, None
                 messages.append(last)
-            last["tool_calls"].append(call)
+            last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),

@@ -99,14 +99,17 @@ class Processor:
         return params.with_model_eos(self.model_eos_token_ids)
 
     def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """Each bad word as it stands and after a space (vLLM's two spellings of a word), as
-        token sequences; the sampler bans them."""
+        """Each bad word as token sequences the sampler bans: as it stands, and after a space
+        when that spelling is another word of the same length (vLLM's rule: on tokenizers that
+        make the space a token of its own, the bare spelling already covers it)."""
         if self.encode is None:
             raise InvalidInputError("bad_words need the served tokenizer", "bad_words")
         seqs: list[tuple[int, ...]] = []
         for word in params.bad_words:
-            for spelling in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.encode(spelling))
+            bare = tuple(self.encode(word.lstrip()))
+            spaced = tuple(self.encode(" " + word.lstrip()))
+            for ids in (bare, *([spaced] if spaced and bare and len(spaced) == len(bare)
+                                and spaced[0] != bare[0] else [])):
                 if ids and ids not in seqs:
                     seqs.append(ids)
         try:

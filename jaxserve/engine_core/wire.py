@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import operator
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -39,12 +40,13 @@ def wire_field(encode: Callable[[Any, Any], Any], decode: Callable[[Any, Any], A
 
 
 def _kind(hint: Any) -> tuple[int, Any]:
-    for t in (hint, *typing.get_args(hint)):  # X or X | None
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for t in typing.get_args(hint) if union else (hint,):  # X, or X | None
         if dataclasses.is_dataclass(t):
             return _RECORD, t
         if isinstance(t, type) and issubclass(t, enum.Enum):
             return _ENUM, t
-        if typing.get_origin(t) is list:
+        if typing.get_origin(t) is list and typing.get_args(t):
             (item,) = typing.get_args(t)
             if dataclasses.is_dataclass(item):
                 return _RECORDS, item

@@ -3,7 +3,10 @@ messages, chat deltas to the Responses event sequence."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -77,3 +80,66 @@ def test_chat_deltas_become_the_responses_event_sequence() -> None:
     assert strip(whole) == strip(ev.items)
     assert ev.as_message() == {"content": "Hello", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+
+
+def test_a_replayed_turn_stays_one_assistant_message() -> None:
+    """A client replaying a turn sends its message item, then its function_call items."""
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "message", "role": "assistant", "content": "Let me look."},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    assert input_messages(items)[1:] == [
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+class RecordingChat:
+    """The chat box's interface (create_chat_completion) over canned replies, recording the
+    chat requests the translation made: the Responses-side logic without a model."""
+
+    def __init__(self, reply: Any) -> None:
+        self.ctx = SimpleNamespace(model_name="m")
+        self.reply, self.requests = reply, []
+
+    async def create_chat_completion(self, request: Any) -> Any:
+        self.requests.append(request)
+        return self.reply()
+
+
+def test_instructions_apply_to_one_request_and_a_failed_stream_ends_failed() -> None:
+    from fastapi.responses import Response, StreamingResponse
+
+    from jaxserve.api_server.responses_protocol import ResponsesRequest
+    from jaxserve.api_server.serving_responses import OpenAIServingResponses
+
+    whole = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    chat = RecordingChat(lambda: Response(json.dumps(whole)))
+    serving = OpenAIServingResponses(chat)  # type: ignore[arg-type]
+    first = json.loads(asyncio.run(serving.create_response(ResponsesRequest(
+        input="a", instructions="one", store=True))).body)
+    asyncio.run(serving.create_response(ResponsesRequest(
+        input="b", instructions="two", previous_response_id=first["id"])))
+    roles = [(m.role, m.content) for m in chat.requests[1].messages]
+    assert roles == [("system", "two"), ("user", "a"), ("assistant", "hi"), ("user", "b")]
+
+    def failing() -> StreamingResponse:
+        async def body():
+            yield 'data: {"choices": [{"delta": {"content": "x"}, "finish_reason": null}]}\n\n'
+            yield ('data: {"choices": [{"delta": {}, "finish_reason": "error", '
+                   '"stop_reason": "structured output failed: row limit"}]}\n\n')
+            yield 'data: {"error": {"message": "structured output failed: row limit", "code": 400}}\n\n'
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body())
+
+    serving = OpenAIServingResponses(RecordingChat(failing))  # type: ignore[arg-type]
+
+    async def events() -> list[dict]:
+        reply = await serving.create_response(ResponsesRequest(input="a", stream=True))
+        return [json.loads(f.split("data: ", 1)[1]) async for f in reply.body_iterator]
+
+    got = asyncio.run(events())
+    assert [e["type"] for e in got][-2:] == ["error", "response.failed"]
+    assert got[-1]["response"]["error"]["message"] == "structured output failed: row limit"
+    assert not serving.store

@@ -1,5 +1,7 @@
 """`python -m jaxserve.serve` with a worker that raises on its N-th forward (vLLM's fault
 injection): `JAXSERVE_TEST_FAIL_AT_STEP=N python -m tests.api_server.faulty_serve ARGS`.
+`JAXSERVE_TEST_FAIL_GRAMMAR_AFTER=K`: instead, every grammar matcher fails once its request
+has K tokens (what llguidance does when a grammar outgrows its parser's limits mid-way).
 
 The engine core is a spawned process, which imports this module again as `__mp_main__`
 before it runs: that is where the runner is patched, so the API server (which must not
@@ -13,6 +15,7 @@ import sys
 from typing import Any
 
 FAIL_AT = int(os.environ.get("JAXSERVE_TEST_FAIL_AT_STEP", "0"))
+FAIL_GRAMMAR_AFTER = int(os.environ.get("JAXSERVE_TEST_FAIL_GRAMMAR_AFTER", "0"))
 
 
 class InjectedFault(RuntimeError):
@@ -34,8 +37,26 @@ def _patch_model_runner() -> None:
     ModelRunner.execute_model_async = execute_model_async
 
 
+def _patch_grammar_matchers() -> None:
+    from jaxserve.engine_core.structured_output import StructuredOutputManager
+
+    original, seen = StructuredOutputManager.accept_tokens, {}
+
+    def accept_tokens(self: StructuredOutputManager, req_id: str, token_ids: list[int]) -> Any:
+        if req_id not in self.matchers:  # no grammar: nothing to fail
+            return original(self, req_id, token_ids)
+        seen[req_id] = seen.get(req_id, 0) + len(token_ids)
+        if seen[req_id] >= FAIL_GRAMMAR_AFTER:
+            return "structured output failed: injected matcher failure"
+        return original(self, req_id, token_ids)
+
+    StructuredOutputManager.accept_tokens = accept_tokens
+
+
 if __name__ == "__mp_main__" and FAIL_AT:
     _patch_model_runner()
+if __name__ == "__mp_main__" and FAIL_GRAMMAR_AFTER:
+    _patch_grammar_matchers()
 
 if __name__ == "__main__":
     from jaxserve.serve import main

@@ -6,6 +6,7 @@ failed start-up exits cleanly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -140,3 +141,37 @@ def test_ctrl_c_ends_streams_cleanly_and_logs_stats(tmp_path) -> None:
     finally:
         server.stop()
     assert not ipc_files(str(tmp_path))
+
+
+def test_a_grammar_that_fails_mid_generation_ends_the_request_with_an_error() -> None:
+    """A matcher that fails mid-generation (injected: after 3 tokens) ends its request with
+    finish_reason "error" and the reason, a stream with an error event too, and a Responses
+    stream with response.failed; an unconstrained request beside it is untouched and the
+    server keeps serving."""
+    server = RemoteServer(SMALL_ENGINE_ARGS, module="tests.api_server.faulty_serve",
+                          env={"JAXSERVE_TEST_FAIL_GRAMMAR_AFTER": "3"})
+    try:
+        grammar = {"prompt": "Digits:", "max_tokens": 12, "temperature": 0,
+                   "structured_outputs": {"regex": "[0-9]{10}"}}
+        r = httpx.post(server.url("/v1/completions"), json=grammar, timeout=60)
+        choice = r.json()["choices"][0]
+        assert r.status_code == 200 and choice["finish_reason"] == "error", r.text
+        assert "injected matcher failure" in choice["stop_reason"]
+        assert len(choice["text"]) == 3 and choice["text"].isdigit()  # never unconstrained
+        with httpx.stream("POST", server.url("/v1/completions"), json={**grammar, "stream": True},
+                          timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert '"finish_reason":"error"' in lines[-3].replace(" ", ""), lines[-3:]
+        assert '"error"' in lines[-2] and "injected matcher failure" in lines[-2], lines[-2]
+        assert lines[-1] == "data: [DONE]"
+        with httpx.stream("POST", server.url("/v1/responses"), timeout=60, json={
+                "input": "Digits:", "max_output_tokens": 12, "temperature": 0, "stream": True,
+                "structured_outputs": {"regex": "[0-9]{10}"}}) as s:
+            kinds = [json.loads(line[6:])["type"] for line in s.iter_lines()
+                     if line.startswith("data: ")]
+        assert kinds[-2:] == ["error", "response.failed"], kinds
+        plain = httpx.post(server.url("/v1/completions"), timeout=60, json={
+            "prompt": "Digits:", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert plain.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()

@@ -91,7 +91,8 @@ def test_nothing_compiles_after_warm_up(llm: LLM) -> None:
             SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, max_tokens=7),
             SamplingParams(temperature=0.0, max_tokens=3, logprobs=5),
             SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.3,
-                           frequency_penalty=0.5, presence_penalty=0.5, max_tokens=20),
+                           frequency_penalty=0.5, presence_penalty=0.5, max_tokens=20,
+                           bad_words=["the", "of a"], allowed_token_ids=list(range(2000))),
         ]
         prompts = [p * (1 + i % 4) for i, p in enumerate(PROMPTS)] * 2  # 32 prompts, up to ~160 tokens
         outs = llm.generate(prompts, [mixed[i % 3] for i in range(len(prompts))], use_tqdm=False)

@@ -27,9 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxserve
 from jaxserve.api_server.debug_routes import add_debug_routes
 from jaxserve.metrics.prometheus import ServerMetrics
-from jaxserve.api_server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from jaxserve.api_server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.api_server.utility_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,

@@ -20,12 +20,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationInfo,
-    field_validator,
     model_serializer,
     model_validator,
 )
 
+from jaxserve.api_server.unsupported_fields import UnsupportedVllmFields
 from jaxserve.sampling_params import MAX_BAD_WORD_SEQUENCES
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -137,30 +136,7 @@ class StructuredOutputsFields(OpenAIRequest):
     json_object: bool | None = None
 
 
-# vLLM's request fields jaxserve does not implement, with the value that asks for nothing:
-# that value is accepted, any other is a 400 naming the field (never ignored). README's
-# "Sampling parameters" lists them.
-UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None,
-    "logits_processors": None,
-    "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structural_tag": None,
-    "prompt_embeds": None,
-    "mm_processor_kwargs": None,
-    "documents": None,
-    "kv_transfer_params": None,
-    "vllm_xargs": None,
-    "thinking_token_budget": None,
-}
-
-
-class SamplingRequestFields(OpenAIRequest):
+class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     """The sampling fields shared by completions and chat completions (vLLM's names)."""
 
 
@@ -200,32 +176,6 @@ class SamplingRequestFields(OpenAIRequest):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
-    # vLLM's fields jaxserve does not implement (UNSUPPORTED_FIELDS): refused unless default.
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
-    spaces_between_special_tokens: Any = True
-    truncate_prompt_tokens: Any = None
-    logits_processors: Any = None
-    return_tokens_as_token_ids: Any = False
-    return_token_ids: Any = False
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
-    prompt_embeds: Any = None
-    mm_processor_kwargs: Any = None
-    documents: Any = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
-    thinking_token_budget: Any = None
-
-    @field_validator(*UNSUPPORTED_FIELDS)
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        default = UNSUPPORTED_FIELDS[info.field_name]
-        if value != default:
-            raise ValueError(f"{info.field_name} is not supported by jaxserve (only "
-                             f"{default!r} is accepted)")
-        return value
 
 
 # --- completions ----------------------------------------------------------------------
@@ -458,48 +408,3 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
-
-
-# --- models, tokenize, detokenize -----------------------------------------------------
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "jaxserve"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(OpenAIRequest):
-    """vLLM's /tokenize: either `prompt` (completion style) or `messages` (chat style)."""
-
-    model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(OpenAIRequest):
-    model: Text | None = None
-    tokens: list[TokenId]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

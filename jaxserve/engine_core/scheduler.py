@@ -394,10 +394,8 @@ class Scheduler:
             was_running = request.status is _RUNNING
             new_token_ids, finished = self._update_request_with_output(request, new_token_ids)
             error = self.structured_output.accept_tokens(req_id, new_token_ids)
-            if error is not None and not finished:
-                # Never unconstrained text: a grammar that cannot go on ends the request.
-                request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, error
-                finished = True
+            if error is not None and not finished:  # never unconstrained text: it ends here
+                request.status, request.stop_reason, finished = RequestStatus.FINISHED_ERROR, error, True
             if finished:
                 stopped.append((request, was_running))
                 self._free_request(request, was_running)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.quantization import model_variables
@@ -50,12 +50,12 @@ from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
                                             verify_inputs)
 from jaxserve.worker.step_handle import (CompileMonitor, PreparedStep, PromptLogprobRows,
-                                         StepFacts, StepHandle)
+                                         StepFacts, StepHandle, prompt_logprobs_output,
+                                         sampled_output)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
     SamplerMode,
-    SamplerOutput,
     SamplingMetadata,
     sample,
 )
@@ -69,11 +69,6 @@ def request_seed(engine_seed: int, req_id: str) -> int:
     process, which made multi-host processes sample different tokens)."""
     digest = hashlib.blake2b(f"{engine_seed}:{req_id}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
-
-
-def _host(x: jax.Array) -> np.ndarray:
-    """A replicated array on the host; across processes, this process's own copy."""
-    return np.asarray(x.addressable_data(0))
 
 
 class ModelRunner:
@@ -217,16 +212,6 @@ class ModelRunner:
                                           int(b.prompt_logprobs[slot])))
         return (targets, rows) if rows else None
 
-    def _prompt_output(self, out: Any, rows: list[PromptLogprobRows]
-                       ) -> dict[str, tuple[int, LogprobsLists]]:
-        ids, lps, ranks = (_host(a) for a in out)
-        result = {}
-        for r in rows:
-            sl, k = slice(r.start, r.start + r.count), 1 + r.num_logprobs
-            result[r.req_id] = (r.first_position, LogprobsLists(
-                ids[sl, :k].tolist(), lps[sl, :k].tolist(), ranks[sl].tolist()))
-        return result
-
     def _sample_impl(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
                      last_sampled, penalties: PenaltyState, buf, bitmask=None):
         u = sampler_packing(num_rows, verify).unpack(buf)
@@ -363,49 +348,15 @@ class ModelRunner:
         step, out = handle.step, handle.out
         if step is None or out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        result = self._sampled_output(step, out, handle.num_logprobs, handle.first_positions)
+        result = sampled_output(step, out, handle.num_logprobs)
+        if handle.first_positions is not None:
+            self.batch.record_sampled(step.req_ids, step.slots, handle.first_positions,
+                                      result.sampled_token_ids)
         if handle.prompt_out is not None:
-            result.prompt_logprobs = self._prompt_output(*handle.prompt_out)
+            result.prompt_logprobs = prompt_logprobs_output(*handle.prompt_out)
         f = handle.facts
         result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
         return result
-
-    def _sampled_output(self, step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndarray,
-                        first_positions: np.ndarray | None) -> ModelRunnerOutput:
-        """Each request's sampled tokens: one, or in a verification step (`step.per_req` rows
-        each) its accepted drafts and final token; a request with logprobs has one row, having
-        no drafts."""
-        req_ids, samples, per_req = step.req_ids, step.samples, step.per_req
-        n = len(req_ids)
-        if per_req is None:
-            tokens = _host(out.sampled)[:n].tolist()
-            sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
-            first = slice(0, n)
-        else:
-            ends = np.cumsum(per_req)
-            first = ends - per_req
-            tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
-            sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
-                       for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
-        if first_positions is not None:
-            self.batch.record_sampled(req_ids, step.slots, first_positions, sampled)
-        logprobs = None
-        if (num_logprobs >= 0).any():
-            ids = _host(out.logprob_token_ids)[first]
-            lps = _host(out.logprobs)[first]
-            ranks = _host(out.sampled_ranks)[first]
-            k = num_logprobs.tolist()
-            logprobs = LogprobsLists(
-                token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
-                logprobs=[lps[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
-                sampled_token_ranks=ranks.tolist(),
-            )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-        )
 
     # ---- warm-up -----------------------------------------------------------------------
 

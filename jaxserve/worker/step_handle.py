@@ -1,4 +1,5 @@
-"""What one dispatched step hands back, and what the worker tells traces about it.
+"""What one dispatched step hands back, how its outputs reach the host, and what the worker
+tells traces about it.
 
 `StepHandle.result()` is the step's only device sync. `CompileMonitor` counts the programs
 JAX builds (traces, lowerings, compiles) so a step that compiled is visible in its trace and
@@ -13,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from jax import monitoring
 
-from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 
 if TYPE_CHECKING:
+    import jax
+
     from jaxserve.worker.model_runner import ModelRunner
     from jaxserve.worker.sampler import SamplerOutput
 
@@ -104,3 +107,52 @@ class PromptLogprobRows:
     num_logprobs: int
 
 
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated array on the host; across processes, this process's own copy."""
+    return np.asarray(x.addressable_data(0))
+
+
+def sampled_output(step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndarray
+                   ) -> ModelRunnerOutput:
+    """Each request's sampled tokens on the host: one, or in a verification step
+    (`step.per_req` rows each) its accepted drafts and final token; and the logprobs asked
+    for (a request with logprobs has one row, having no drafts)."""
+    req_ids, samples, per_req = step.req_ids, step.samples, step.per_req
+    n = len(req_ids)
+    if per_req is None:
+        tokens = _host(out.sampled)[:n].tolist()
+        sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
+        first: Any = slice(0, n)
+    else:
+        ends = np.cumsum(per_req)
+        first = ends - per_req
+        tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
+        sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
+                   for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
+    logprobs = None
+    if (num_logprobs >= 0).any():
+        ids = _host(out.logprob_token_ids)[first]
+        lps = _host(out.logprobs)[first]
+        ranks = _host(out.sampled_ranks)[first]
+        k = num_logprobs.tolist()
+        logprobs = LogprobsLists(
+            token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
+            logprobs=[lps[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
+            sampled_token_ranks=ranks.tolist(),
+        )
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def prompt_logprobs_output(out: Any, rows: list[PromptLogprobRows]
+                           ) -> dict[str, tuple[int, LogprobsLists]]:
+    """Each prompt_logprobs request's rows on the host: (first position, logprobs)."""
+    ids, lps, ranks = (_host(a) for a in out)
+    result = {}
+    for r in rows:
+        sl, k = slice(r.start, r.start + r.count), 1 + r.num_logprobs
+        result[r.req_id] = (r.first_position, LogprobsLists(
+            ids[sl, :k].tolist(), lps[sl, :k].tolist(), ranks[sl].tolist()))
+    return result

@@ -12,14 +12,16 @@ from jaxserve.platforms import select_jax_platforms
 
 select_jax_platforms()  # before anything imports JAX: no accelerator here means the CPU
 
-from jaxserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
+from jaxserve.pooling_params import PoolingParams  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from jaxserve.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

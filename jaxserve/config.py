@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from jaxserve.pooling_params import POOLING_TYPES, PoolingParams
+
 
 class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"
@@ -270,6 +272,37 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's `pooler_config` (--pooler-config): how embedding requests pool the prompt's
+    final hidden states (`pooling_type` LAST, MEAN or CLS) and whether the vector is
+    L2-normalized by default (a request's own `normalize` wins). vLLM's defaults for a
+    decoder served as an embedding model: LAST, normalized."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type must be one of "
+                             f"{', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be a bool, got {self.normalize!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PoolerConfig:
+        """From `--pooler-config` JSON / `LLM(pooler_config={...})`; the pooling type in any
+        case ("mean" is MEAN)."""
+        _check_keys(cls, "pooler_config", d)
+        if isinstance(d.get("pooling_type"), str):
+            d = {**d, "pooling_type": d["pooling_type"].upper()}
+        return cls(**d)
+
+    def pooling_params(self, normalize: bool | None = None) -> PoolingParams:
+        """A request's PoolingParams: this pooling, normalized unless it says otherwise."""
+        return PoolingParams(self.pooling_type, self.normalize if normalize is None else normalize)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, one section per box."""
 
@@ -286,6 +319,7 @@ class EngineConfig:
     request_tracing: bool = True
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    pooler_config: PoolerConfig = PoolerConfig()
 
     @property
     def batch_queue_size(self) -> int:

@@ -19,8 +19,9 @@ from jaxserve.engine.build import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
 from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.processor import Processor
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, Processor
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import load_tokenizer
 
@@ -55,7 +56,8 @@ class LLM:
         self.processor = Processor(
             self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
             frozenset(self._model_eos),
-            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            pooler_config=self.config.pooler_config)
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:
@@ -113,6 +115,23 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (vLLM's `LLM.embed`), pooled as `pooling_params` says
+        (default: --pooler-config's pooling, normalized unless it says otherwise); by the
+        same engine as `generate`, in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if pooling_params is None:
+            pooling_params = self.processor.pooling_params()
+        ids = [self._add_request(p, POOLING_SAMPLING_PARAMS, 0, pooling_params) for p in prompts]
+        return self._run(ids, use_tqdm)
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
@@ -127,22 +146,28 @@ class LLM:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int,
+                     pooling_params: PoolingParams | None = None) -> str:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids'")
             token_ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
         else:
             token_ids, text = self.tokenizer(prompt).input_ids, prompt
-        self.processor.check_prompt(token_ids, None)  # offline, max_tokens caps at the context
+        if pooling_params is not None:
+            self.processor.check_pooling_prompt(token_ids)
+        else:
+            self.processor.check_prompt(token_ids, None)  # offline, max_tokens caps at the context
         params = self.processor.check_params(params)
         request_id = str(next(self._counter))
-        for cid, p in self.output_processor.add_request(request_id, text, token_ids, params):
-            self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority))
+        for cid, p in self.output_processor.add_request(request_id, text, token_ids, params,
+                                                        pooling_params=pooling_params):
+            self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority,
+                                                 pooling_params=pooling_params))
         return request_id
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+        final: dict[str, Any] = {}
         core = self.engine_core
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while core.has_work():

@@ -98,3 +98,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's vector (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """Result of one embedding request (vLLM's `EmbeddingRequestOutput`, what `LLM.embed`
+    returns); `outputs` is None until it finishes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None

@@ -144,7 +144,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compile only warm-up's programs, not the first-use variants")
     g.add_argument("--programs", default=None, metavar="KINDS",
                    help="only these kinds of programs, comma-separated (forward, sample, "
-                        "verify, prompt_logprobs, admit); default: all")
+                        "verify, prompt_logprobs, pool, admit); default: all")
     g.add_argument("--compile-threads", type=int, default=None,
                    help="GPU targets: compiles at once (default: one per CPU core, at most 4); "
                         "TPU programs always compile one at a time")

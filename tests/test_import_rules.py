@@ -35,6 +35,7 @@ JAX_FREE = [
     "jaxserve/models/tokenizer.py",
     "jaxserve/config.py",
     "jaxserve/sampling_params.py",
+    "jaxserve/pooling_params.py",
     "jaxserve/outputs.py",
     "jaxserve/request_trace.py",
     "jaxserve/serve.py",
@@ -51,6 +52,7 @@ JAX_FREE_IMPORTS = [
     "jaxserve.models.tokenizer",
     "jaxserve.config",
     "jaxserve.sampling_params",
+    "jaxserve.pooling_params",
     "jaxserve.outputs",
     "jaxserve.serve",
 ]

@@ -43,7 +43,9 @@ from jaxserve.api_server.serving import (
     error_response,
 )
 from jaxserve.api_server.responses_protocol import ResponsesRequest
+from jaxserve.api_server.embedding_protocol import EmbeddingRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
+from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
 from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
@@ -82,6 +84,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(ctx)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -112,6 +115,14 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, responses.create_response(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await run_until_disconnected(raw, embedding.create_embedding(body))
+
+    @app.post("/pooling")
+    async def create_pooling(body: EmbeddingRequest, raw: Request) -> Response:
+        return await run_until_disconnected(raw, embedding.create_embedding(body, pooling=True))
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:
@@ -230,7 +241,8 @@ class BodySizeLimit:
 
 
 class ApiKeyAuth:
-    """Every /v1 route needs `Authorization: Bearer <key>` (vLLM's --api-key): 401 otherwise."""
+    """Every /v1 route, and /pooling (it runs the model too), needs `Authorization: Bearer
+    <key>` (vLLM's --api-key): 401 otherwise."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -239,7 +251,7 @@ class ApiKeyAuth:
         path, root = scope.get("path", ""), scope.get("root_path", "")
         if root and path.startswith(root):  # uvicorn puts --root-path in front of the path
             path = path[len(root):]
-        if scope["type"] == "http" and path.startswith("/v1"):
+        if scope["type"] == "http" and (path.startswith("/v1") or path == "/pooling"):
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response("invalid or missing API key (send Authorization: "

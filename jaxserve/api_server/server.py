@@ -92,6 +92,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                          tool_call_parser=args.tool_call_parser,
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
                          reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,
+                         pooler_config=config.pooler_config,
                          facts=ServerFacts(ready.max_num_seqs,
                                            config.scheduler_config.max_num_batched_tokens,
                                            config.enforce_eager,

@@ -34,6 +34,7 @@ from jaxserve.api_server.protocol import (
 )
 from jaxserve.metrics.prometheus import ServerMetrics
 from jaxserve.metrics.trace_store import TraceStore
+from jaxserve.config import PoolerConfig
 from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -144,6 +145,7 @@ class ServingContext:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize"))
     max_token_chars: int = 0  # longest_token_chars(tokenizer), computed when 0
+    pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: /v1/embeddings
     # The checks shared with the offline LLM (jaxserve/engine/processor.py).
     processor: Processor = field(init=False)
 
@@ -152,7 +154,7 @@ class ServingContext:
             self.max_token_chars = longest_token_chars(self.tokenizer)
         self.processor = Processor(self.max_model_len, self.vocab_size,
                                    self.model_eos_token_ids, self.max_logprobs,
-                                   encode=self._encode_plain)
+                                   encode=self._encode_plain, pooler_config=self.pooler_config)
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -23,6 +23,7 @@ from jaxserve.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
@@ -128,6 +129,10 @@ class EngineArgs:
             "scheduler", 'structured outputs, e.g. \'{"disable_additional_properties": true}\' '
             "(JSON schemas' objects without additionalProperties get false); the backend is "
             "llguidance", type=json_object, metavar="JSON"))
+    pooler_config: dict | PoolerConfig | None = field(default=None, metadata=_arg(
+        "model", 'embeddings (/v1/embeddings, LLM.embed), e.g. \'{"pooling_type": "MEAN", '
+        '"normalize": false}\' (pooling_type LAST, MEAN or CLS; default LAST, normalized)',
+        "--override-pooler-config", type=json_object, metavar="JSON"))
     # parallel
     tensor_parallel_size: int = field(default=1, metadata=_arg(
         "parallel", "devices each layer is split over", "-tp", type=int))
@@ -200,6 +205,9 @@ class EngineArgs:
         so = self.structured_outputs_config or StructuredOutputsConfig()
         if isinstance(so, dict):
             so = StructuredOutputsConfig.from_dict(so)
+        pooler = self.pooler_config or PoolerConfig()
+        if isinstance(pooler, dict):
+            pooler = PoolerConfig.from_dict(pooler)
         # A step's accepted count decides the next step's inputs (vLLM V1 first shipped
         # speculation without async scheduling too).
         async_scheduling = self.async_scheduling and spec is None
@@ -236,7 +244,7 @@ class EngineArgs:
                 distributed_process_id=self.distributed_process_id),
             enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret, request_tracing=self.request_tracing,
-            speculative_config=spec, structured_outputs_config=so)
+            speculative_config=spec, structured_outputs_config=so, pooler_config=pooler)
 
 
 def _policy(value: str) -> SchedulingPolicy:

@@ -43,6 +43,7 @@ from jaxserve.engine.messages import (
 )
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
 
@@ -163,8 +164,11 @@ class EngineClient:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, *, priority: int = 0,
                        arrival_time: float | None = None,
-                       trace: RequestTrace | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's RequestOutput as it grows, the last one finished.
+                       trace: RequestTrace | None = None,
+                       pooling_params: PoolingParams | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutput as it grows, the last one finished (with
+        `pooling_params`, an embedding request: one EmbeddingRequestOutput, finished).
 
         When several outputs arrived since the previous iteration, only the
         newest is yielded (outputs are cumulative). `trace`: the request's trace so far
@@ -175,7 +179,7 @@ class EngineClient:
         self.traces.start(trace)
         try:
             queue = self._add_request(request_id, prompt, prompt_token_ids, params, priority,
-                                      arrival_time, trace)
+                                      arrival_time, trace, pooling_params)
         except BaseException:
             self.traces.finish(trace, "not sent")
             raise
@@ -210,15 +214,17 @@ class EngineClient:
 
     def _add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int, arrival_time: float,
-                     trace: RequestTrace | None = None
+                     trace: RequestTrace | None = None,
+                     pooling_params: PoolingParams | None = None,
                      ) -> asyncio.Queue[RequestOutput | BaseException]:
         """Register the request and send it; nothing stays registered if either fails."""
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
-                                                     trace)
+                                                     trace, pooling_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         try:
             frame = encode(EngineCoreRequestType.ADD, [
-                encode_record(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority))
+                encode_record(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority,
+                                                pooling_params=pooling_params))
                 for cid, p in children])
             self._queues[request_id] = queue
             for cid, _ in children:

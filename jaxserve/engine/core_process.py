@@ -120,7 +120,7 @@ class EngineCoreProc:
                     self.core.add_request(Request(
                         req.req_id, req.prompt_token_ids, req.sampling_params,
                         arrival_time=req.arrival_time, priority=req.priority,
-                        cache_salt=req.cache_salt,
+                        cache_salt=req.cache_salt, pooling_params=req.pooling_params,
                     ))
                 except InvalidRequestError as e:  # the request's own fault
                     errors.append(encode_record(RequestError(str(item[0]), str(e), True)))

@@ -22,6 +22,7 @@ import msgpack
 
 from jaxserve.engine_core.request import InvalidRequestError
 from jaxserve.engine_core.wire import decode_record
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -49,7 +50,8 @@ class EngineCoreMessageType(enum.IntEnum):
 
 @dataclass
 class EngineCoreRequest:
-    """One sequence to generate, as the engine core receives it."""
+    """One sequence to generate (or, with `pooling_params`, to embed), as the engine core
+    receives it."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -57,6 +59,7 @@ class EngineCoreRequest:
     arrival_time: float  # time.monotonic() in the API server (same clock in both processes)
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def decode(cls, record: list[Any]) -> EngineCoreRequest:

@@ -20,7 +20,9 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
-from jaxserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              FinishReason, Logprob, RequestMetrics, RequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
 
@@ -55,6 +57,8 @@ class _RequestState:
     trace: RequestTrace | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooling: PoolingParams | None = None  # an embedding request
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,12 +80,15 @@ class OutputProcessor:
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace | None = None, pooling_params: PoolingParams | None = None,
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns the (engine request id, params) of each sequence.
-        `trace`: the request's trace so far (the API server's); else a new one."""
+        `trace`: the request's trace so far (the API server's); else a new one.
+        `pooling_params`: an embedding request (one sequence; `params` is its one token)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if pooling_params is not None and params.n != 1:
+            raise ValueError("an embedding request has one sequence (n=1)")
         children = []
         seqs = []
         for i in range(params.n):
@@ -100,7 +107,8 @@ class OutputProcessor:
             trace.num_prompt_tokens = len(prompt_token_ids)
         metrics = RequestMetrics(time.monotonic(), trace=trace)
         self.requests[request_id] = _RequestState(
-            request_id, prompt, list(prompt_token_ids), seqs, metrics, trace)
+            request_id, prompt, list(prompt_token_ids), seqs, metrics, trace,
+            pooling=pooling_params)
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -118,7 +126,7 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """Apply one step's outputs. Returns the RequestOutputs of the requests that
         changed and the engine ids of sequences to abort (they hit a stop string)."""
         changed: dict[str, _RequestState] = {}
@@ -138,6 +146,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 # Every sequence of an n > 1 request brings the same rows: keep the first.
                 state.prompt_logprobs = [None] + self._logprob_entries(out.prompt_logprobs)
+            if out.pooling_output is not None:
+                state.embedding = out.pooling_output
             if self._append(seq, out):
                 to_abort.append(out.req_id)
             elif out.finish_reason is not None:
@@ -236,7 +246,12 @@ class OutputProcessor:
             m.last_token_time = now
 
     @staticmethod
-    def _make_output(state: _RequestState) -> RequestOutput:
+    def _make_output(state: _RequestState) -> RequestOutput | EmbeddingRequestOutput:
+        if state.pooling is not None:
+            return EmbeddingRequestOutput(
+                state.request_id, state.prompt_token_ids,
+                None if state.embedding is None else EmbeddingOutput(state.embedding),
+                state.finished, state.metrics, state.num_cached_tokens)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

@@ -13,11 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.config import PoolerConfig
 from jaxserve.engine_core.sched_utils import EMPTY_PROMPT, prompt_too_long
 from jaxserve.engine_core.structured_output import grammar_text
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+# What an embedding request samples: one greedy token, the end of its prompt (dropped).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class InvalidInputError(ValueError):
@@ -38,6 +43,7 @@ class Processor:
     max_logprobs: int = 20  # --max-logprobs
     # The served tokenizer's text -> ids without special tokens (bad_words are tokenized here).
     encode: Callable[[str], list[int]] | None = field(default=None, compare=False)
+    pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: embedding requests
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """The prompt against max_model_len and the vocabulary; returns max_tokens (None: as
@@ -57,6 +63,27 @@ class Processor:
                 f"prompt has {n} tokens and max_tokens is {max_tokens}, but max_model_len is "
                 f"{limit}: lower max_tokens to at most {limit - n}", "max_tokens")
         return max_tokens
+
+    def check_pooling_prompt(self, token_ids: list[int]) -> None:
+        """An embedding request's prompt against max_model_len and the vocabulary (the
+        engine runs it as a prompt with one token to sample, so it must leave room for it)."""
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise InvalidInputError(f"input has {n} tokens but an embedding input may have at "
+                                    f"most {limit - 1} (max_model_len {limit} - 1)", "input")
+        self.check_prompt(token_ids, 1)
+
+    def pooling_params(self, normalize: bool | None = None,
+                       dimensions: int | None = None) -> PoolingParams:
+        """An embedding request's PoolingParams under --pooler-config (`normalize` None: the
+        server's default). `dimensions` is refused, as vLLM refuses it for a model that is
+        not a Matryoshka one: cutting the vector would change what it means."""
+        if dimensions is not None:
+            raise InvalidInputError("dimensions is not supported: the served model does not "
+                                    "support Matryoshka representations", "dimensions")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise InvalidInputError(f"normalize must be a bool, got {normalize!r}", "normalize")
+        return self.pooler_config.pooling_params(normalize)
 
     def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
         """(kind, spec) once its grammar compiles; refused naming `param` if it does not

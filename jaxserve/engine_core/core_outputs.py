@@ -76,6 +76,8 @@ class EngineCoreOutput:
     # each entry points into the message's table of steps (see _encode_trace).
     trace_steps: list[StepEntry] | None = wire_field(
         _encode_trace, _decode_trace, default=None)
+    # An embedding request's vector, with its finish (it has no new tokens).
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,14 +88,16 @@ class EngineCoreOutput:
         cls, request: Request, new_token_ids: list[int], new_logprobs: LogprobsLists | None
     ) -> EngineCoreOutput:
         """This step's output of `request` (whose tokens, status and events are updated)."""
+        pooled = request.pooling_params is not None
         return cls(
             request.req_id,
-            new_token_ids,
+            [] if pooled else new_token_ids,
             new_logprobs,
             request.get_finished_reason(),
             request.stop_reason,
             request.num_cached_tokens,
             request.take_events() if request.has_events else None,
             request.take_prompt_logprobs(),
+            pooling_output=request.pooling_output,
         )
 

@@ -63,8 +63,11 @@ class KVCacheManager:
         NOTE: the hit never covers the last token: its logits are needed to
         sample the next token, so at least one token is always computed.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed (vLLM's rule)
+        pooling = request.pooling_params
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and not pooling.uses_prefix_cache)):
+            # Prompt logprobs, MEAN and CLS pooling need every prompt position computed.
+            return [], 0
         cached = self.block_pool.cached_block_hash_to_block
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -23,6 +23,7 @@ from jaxserve.engine_core.kv_cache_utils import BlockHash
 from jaxserve.engine_core.model_runner_output import LogprobsLists
 from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType
 from jaxserve.outputs import FinishReason
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -67,6 +68,10 @@ class Request:
     (CLOCK_MONOTONIC is shared by the processes of one host). `priority`:
     lower is served first under the PRIORITY policy. `cache_salt` keeps
     this request's prefix-cache pages apart from other tenants'.
+
+    With `pooling_params` it is an embedding request: `sampling_params` is then one greedy
+    token (the sampler's row of its last prompt token, dropped), and it ends with the
+    worker's vector in `pooling_output` instead.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -87,6 +93,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.cache_salt = cache_salt
+        self.pooling_params = pooling_params
+        self.pooling_output: list[float] | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.status = RequestStatus.WAITING

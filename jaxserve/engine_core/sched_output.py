@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit length (or 0)
     # The sampler keeps it (and stop_token_ids) from being sampled before min_tokens.
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None  # an embedding request (worker/pooler.py)
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -52,6 +54,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
+            pooling_params=request.pooling_params,
         )
 
 

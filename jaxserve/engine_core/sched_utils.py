@@ -53,6 +53,9 @@ def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool
     last allowed token is EOS reports "stop", not "length". max_model_len is
     never suppressed by min_tokens: there is no room for another token.
     """
+    if request.pooling_params is not None:  # its one token is the end of its prompt
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
     num_output_tokens = request.num_output_tokens
     params = request.sampling_params
     if num_output_tokens >= params.min_tokens:

@@ -348,11 +348,8 @@ class Scheduler:
         for request in requests:
             request.num_computed_tokens += num_scheduled[request.req_id]
             request.num_steps_in_flight += 1
-            if (
-                async_scheduling
-                and request.num_computed_tokens
-                == request.num_tokens + request.num_output_placeholders
-            ):
+            if async_scheduling and (request.num_computed_tokens
+                                     == request.num_tokens + request.num_output_placeholders):
                 # This step samples a token for the request that is not known yet.
                 request.num_output_placeholders += 1
 
@@ -368,6 +365,7 @@ class Scheduler:
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_lps = model_runner_output.prompt_logprobs
+        pooled = model_runner_output.pooler_output
         requests = self.requests
         async_scheduling = self.async_scheduling
         stopped: list[tuple[Request, bool]] = []
@@ -381,6 +379,8 @@ class Scheduler:
                 continue
             if prompt_lps and req_id in prompt_lps:
                 request.add_prompt_logprobs(*prompt_lps[req_id])
+            if pooled and req_id in pooled:  # an embedding request's prompt is done
+                request.pooling_output = pooled[req_id]
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids:
                 continue  # partial prefill: nothing sampled

@@ -175,6 +175,9 @@ class ServerMetrics:
             elif e.type == EngineCoreEventType.FINISHED:
                 s.finished_ts = e.timestamp
         n = len(out.new_token_ids)
+        if out.pooling_output is not None:  # an embedding request: its prompt, no tokens
+            self.prompt_tokens.inc(s.num_prompt_tokens)
+            self.totals["prompt_tokens"] += s.num_prompt_tokens
         if not n:
             return
         self.generation_tokens.inc(n)

@@ -46,12 +46,13 @@ from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
 from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_programs
 from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, with_sampled
+from jaxserve.worker.pooler import Pooler, pool_sums
 from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
                                             verify_inputs)
 from jaxserve.worker.step_handle import (CompileMonitor, PreparedStep, PromptLogprobRows,
-                                         StepFacts, StepHandle, prompt_logprobs_output,
-                                         sampled_output)
+                                         StepFacts, StepHandle, host_array,
+                                         prompt_logprobs_output, sampled_output)
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.sampler import (
     LogitsProcessors,
@@ -123,6 +124,8 @@ class ModelRunner:
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
         self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
+        self.pooler = Pooler(S)  # embedding requests (worker/pooler.py)
+        self._pool = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self._sample = jax.jit(
             self._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
@@ -254,7 +257,7 @@ class ModelRunner:
         step = self._prepare(so)
         if step is None:
             return StepHandle(self, None)
-        hidden, prompt_out = self._run_forward(step)
+        hidden, prompt_out, pool_out = self._run_forward(step)
         bitmask = grammar_bitmask(so.grammar_bitmask, step.req_ids, step.per_req, step.R,
                                   self.model.cfg.vocab_size)
         out = self._run_sampler(step, hidden, bitmask)
@@ -265,7 +268,8 @@ class ModelRunner:
             n, per_req = len(step.req_ids), step.per_req
             first_positions = step.inp.kv_lens[:n] - (0 if per_req is None else per_req - 1)
         return StepHandle(self, step, out=out, num_logprobs=self.batch.num_logprobs[step.slots].copy(),
-                          prompt_out=prompt_out, facts=facts, first_positions=first_positions)
+                          prompt_out=prompt_out, pool_out=pool_out, facts=facts,
+                          first_positions=first_positions)
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
         """The step's padded inputs, its buckets and its sampler inputs (None: nothing runs)."""
@@ -287,18 +291,27 @@ class ModelRunner:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
             R = pad_to_bucket(len(req_ids), self.request_buckets)
             md, mode = sampling_inputs(self.batch, slots, samples, inp.kv_lens[: len(req_ids)], R)
+        pool = self.pooler.segments(req_ids, inp.kv_lens, inp.cu_q_lens,
+                                    self.batch.num_prompt_tokens[slots], T)
         return PreparedStep(req_ids, inp, slots, samples, T, R, mode, md, per_req,
-                            self._prompt_rows(req_ids, slots, inp, T))
+                            self._prompt_rows(req_ids, slots, inp, T), pool)
 
-    def _run_forward(self, step: PreparedStep) -> tuple[Any, Any]:
-        """Dispatch the forward; (the sampled rows' hidden states, prompt logprobs or None)."""
-        hidden = self._forward(step.inp, all_rows=step.prompt is not None)
-        if step.prompt is None:
-            return hidden, None
-        # Compiled on first use (a rare request kind; warm-up does not cover it).
+    def _run_forward(self, step: PreparedStep) -> tuple[Any, Any, Any]:
+        """Dispatch the forward; (the sampled rows' hidden states, prompt logprobs or None,
+        pooled sums or None)."""
+        hidden = self._forward(step.inp, all_rows=step.prompt is not None or step.pool is not None)
+        if step.prompt is None and step.pool is None:
+            return hidden, None, None
+        # Compiled on first use (rare request kinds; warm-up does not cover them).
         hidden, every_token = hidden
-        targets, rows = step.prompt
-        return hidden, (self._prompt_lp(self.params, every_token, targets), rows)
+        prompt_out = pool_out = None
+        if step.prompt is not None:
+            targets, rows = step.prompt
+            prompt_out = (self._prompt_lp(self.params, every_token, targets), rows)
+        if step.pool is not None:
+            segments, pool_rows = step.pool
+            pool_out = (self._pool(every_token, segments, self.max_num_seqs), pool_rows)
+        return hidden, prompt_out, pool_out
 
     def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
         """Dispatch the sampler (or the verification sampler); its device outputs."""
@@ -319,6 +332,7 @@ class ModelRunner:
         # engine must place them alike.
         for req_id in sorted(so.finished_req_ids | so.preempted_req_ids):
             self.batch.remove_request(req_id)
+            self.pooler.remove_request(req_id)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             slot = self.batch.req_id_to_slot[req_id]
@@ -333,6 +347,8 @@ class ModelRunner:
                 new.req_id, token_ids, p, new.block_ids, new.num_computed_tokens, seed,
                 num_prompt_tokens=len(new.prompt_token_ids),
             )
+            if new.pooling_params is not None:
+                self.pooler.add_request(new.req_id, new.pooling_params)
             stop = p.all_stop_token_ids(new.eos_token_id) if p.min_tokens else ()
             self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias,
                              p.allowed_token_ids, p.bad_words_token_ids)
@@ -354,6 +370,9 @@ class ModelRunner:
                                       result.sampled_token_ids)
         if handle.prompt_out is not None:
             result.prompt_logprobs = prompt_logprobs_output(*handle.prompt_out)
+        if handle.pool_out is not None:
+            sums, rows = handle.pool_out
+            result.pooler_output = self.pooler.finish(host_array(sums), rows)
         f = handle.facts
         result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
         return result

@@ -2,7 +2,7 @@
 
 `ModelRunner.programs()` lists every program the engine runs (each forward token bucket and
 pipeline stage, the sampler in every mode and request bucket, the verification sampler, and the
-variants compiled on first use: prompt logprobs, grammar bitmasks) with abstract arguments
+variants compiled on first use: prompt logprobs, pooling, grammar bitmasks) with abstract arguments
 (`jax.ShapeDtypeStruct`s carrying their shardings). `compile_program` runs the real compiler
 for the arguments' devices, which may be compile-only TPU topologies or CUDA target specs
 (jaxserve/preflight.py), and reads back what the device would hold:
@@ -47,7 +47,7 @@ class Program:
     """One compiled program of the engine, with abstract (or concrete) arguments."""
 
     name: str  # e.g. "forward[T=512]", "sample[R=64, greedy]"
-    kind: str  # forward | sample | verify | prompt_logprobs | admit
+    kind: str  # forward | sample | verify | prompt_logprobs | pool | admit
     fn: Callable[..., Any]  # the jitted function the runner dispatches
     args: tuple[Any, ...]  # static values and ShapeDtypeStructs / arrays
     mesh: Mesh
@@ -176,7 +176,7 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
                 if all_rows:
                     if not st.is_last:
                         continue
-                    name += ", prompt logprobs"
+                    name += ", every token"
                 buf = i32((runner.forward_packing(T).size,), st.mesh)
                 out.append(Program(name + "]", "forward", runner._stage,
                                    (st.index, T, all_rows, st.params, st.kv_cache, x, buf),
@@ -203,6 +203,9 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
             out.append(Program(f"prompt_logprobs[T={T}]", "prompt_logprobs", runner._prompt_lp,
                                (runner.params, every, i32((T,), last.mesh)), last.mesh,
                                at_warm_up=False, bucket=T, group=("prompt_logprobs",)))
+            out.append(Program(f"pool[T={T}]", "pool", runner._pool,
+                               (every, i32((T,), last.mesh), runner.max_num_seqs), last.mesh,
+                               at_warm_up=False, bucket=T, group=("pool",)))
     arrays = admit_inputs(runner.batch.max_model_len, runner.model.cfg.vocab_size, [], [])
     out.append(Program("admit", "admit", runner._admit,
                        (runner.penalties, i32((), last.mesh),

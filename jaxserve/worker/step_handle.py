@@ -68,6 +68,7 @@ class PreparedStep:
     sampler_inputs: np.ndarray  # the sampler's packed per-row inputs
     per_req: np.ndarray | None  # rows per request in a verification step (None: one each)
     prompt: tuple[Any, list[Any]] | None  # prompt-logprob targets and rows, if any asked
+    pool: tuple[np.ndarray, list[Any]] | None = None  # Pooler.segments: embedding requests
 
     @property
     def verify(self) -> bool:
@@ -84,6 +85,7 @@ class StepHandle:
     out: SamplerOutput | None = None
     num_logprobs: np.ndarray | None = None  # each request's top-logprobs count (-1: none)
     prompt_out: tuple[Any, list[PromptLogprobRows]] | None = None
+    pool_out: tuple[Any, list[Any]] | None = None  # pool_sums' output and the PoolingRows
     facts: StepFacts = field(default_factory=StepFacts)
     # Each request's first sampled position, when the batch keeps sampled tokens (n-gram drafts).
     first_positions: np.ndarray | None = None
@@ -109,7 +111,7 @@ class PromptLogprobRows:
 
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def host_array(x: jax.Array) -> np.ndarray:
     """A replicated array on the host; across processes, this process's own copy."""
     return np.asarray(x.addressable_data(0))
 
@@ -122,20 +124,20 @@ def sampled_output(step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndar
     req_ids, samples, per_req = step.req_ids, step.samples, step.per_req
     n = len(req_ids)
     if per_req is None:
-        tokens = _host(out.sampled)[:n].tolist()
+        tokens = host_array(out.sampled)[:n].tolist()
         sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
         first: Any = slice(0, n)
     else:
         ends = np.cumsum(per_req)
         first = ends - per_req
-        tok, emitted = _host(out.sampled)[: ends[-1]], _host(out.emitted)[: ends[-1]]
+        tok, emitted = host_array(out.sampled)[: ends[-1]], host_array(out.emitted)[: ends[-1]]
         sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
                    for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
     logprobs = None
     if (num_logprobs >= 0).any():
-        ids = _host(out.logprob_token_ids)[first]
-        lps = _host(out.logprobs)[first]
-        ranks = _host(out.sampled_ranks)[first]
+        ids = host_array(out.logprob_token_ids)[first]
+        lps = host_array(out.logprobs)[first]
+        ranks = host_array(out.sampled_ranks)[first]
         k = num_logprobs.tolist()
         logprobs = LogprobsLists(
             token_ids=[ids[i, : 1 + max(k[i], 0)].tolist() for i in range(n)],
@@ -149,7 +151,7 @@ def sampled_output(step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndar
 def prompt_logprobs_output(out: Any, rows: list[PromptLogprobRows]
                            ) -> dict[str, tuple[int, LogprobsLists]]:
     """Each prompt_logprobs request's rows on the host: (first position, logprobs)."""
-    ids, lps, ranks = (_host(a) for a in out)
+    ids, lps, ranks = (host_array(a) for a in out)
     result = {}
     for r in rows:
         sl, k = slice(r.start, r.start + r.count), 1 + r.num_logprobs

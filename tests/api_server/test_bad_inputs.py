@@ -151,13 +151,13 @@ def test_abort_storm_returns_pages_and_counters_to_zero(server: RemoteServer) ->
     assert again == reference
 
 
-def test_api_key_guards_v1_only(server: RemoteServer) -> None:
+def test_api_key_guards_v1_and_pooling(server: RemoteServer) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(server.url("/v1/models"), headers=headers, timeout=10)
         assert r.status_code == 401, r.text
         assert r.json()["error"]["type"] == "AuthenticationError"
-    r = httpx.post(server.url("/v1/completions"), json={"prompt": "x"}, timeout=10)
-    assert r.status_code == 401
+    for path in ("/v1/completions", "/v1/embeddings", "/pooling"):  # /pooling runs the model too
+        assert httpx.post(server.url(path), json={"input": "x"}, timeout=10).status_code == 401
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(server.url(path), timeout=10).status_code == 200
     with pytest.raises(openai.AuthenticationError):

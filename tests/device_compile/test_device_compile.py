@@ -67,7 +67,7 @@ def _assert_clean(report) -> None:
 # Pages given: no sizing compiles, for the tests about what compiles rather than what fits.
 FIXED_CACHE = ["--num-gpu-blocks-override", "512"]
 SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
-WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs) on v6e and h200
+WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs, pooling) on v6e and h200
 
 
 @pytest.mark.parametrize("target,flags", [
@@ -85,7 +85,7 @@ def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
     kinds = {p.kind for p in report.programs}
     first_use = "--only-warm-up" not in flags
     wanted = {"forward", "sample", "admit"} | ({"verify"} if SPEC[0] in flags else set()) | (
-        {"prompt_logprobs"} if first_use else set())
+        {"prompt_logprobs", "pool"} if first_use else set())
     if "--programs" in flags:  # CI's time: the samplers are compiled for v6e, v5e:2x2, GPUs
         wanted &= set(flags[flags.index("--programs") + 1].split(","))
     assert kinds == wanted

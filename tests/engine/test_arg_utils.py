@@ -9,7 +9,9 @@ import dataclasses
 
 import pytest
 
+from jaxserve.config import PoolerConfig
 from jaxserve.engine.arg_utils import EngineArgs, make_engine_config
+from jaxserve.pooling_params import PoolingParams
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -89,3 +91,19 @@ def test_structured_outputs_config() -> None:
         make_engine_config(structured_outputs_config={"strict": True})
     with pytest.raises(ValueError, match="backend must be 'guidance'"):
         make_engine_config(structured_outputs_config={"backend": "xgrammar"})
+
+
+def test_pooler_config() -> None:
+    assert make_engine_config().pooler_config == PoolerConfig("LAST", True)  # vLLM's defaults
+    cfg = make_engine_config(pooler_config={"pooling_type": "mean", "normalize": False})
+    assert cfg.pooler_config == PoolerConfig("MEAN", False)
+    assert cfg.pooler_config.pooling_params() == PoolingParams("MEAN", False)
+    assert cfg.pooler_config.pooling_params(normalize=True) == PoolingParams("MEAN", True)
+    with pytest.raises(ValueError, match=r"unknown keys \['dimensions'\]"):
+        make_engine_config(pooler_config={"dimensions": 8})
+    with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS"):
+        make_engine_config(pooler_config={"pooling_type": "STEP"})
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flag in ("--pooler-config", "--override-pooler-config"):  # vLLM's old name too
+        args = parser.parse_args([flag, '{"pooling_type": "CLS"}'])
+        assert EngineArgs.from_cli_args(args).create_engine_config().pooler_config.pooling_type == "CLS"

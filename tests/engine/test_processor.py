@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.engine.processor import InvalidInputError, Processor
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 P = Processor(max_model_len=100, vocab_size=1000, model_eos_token_ids=frozenset({7}),
@@ -62,3 +63,17 @@ def test_bad_words_are_tokenized_both_ways_and_allowed_ids_checked() -> None:
     too_long = Processor(100, 1000, encode=lambda text: list(range(17)))
     e = refused(too_long.make_params, bad_words=["long"])
     assert e.param == "bad_words" and "1 to 16 tokens" in str(e)
+
+
+def test_embedding_requests_against_the_model() -> None:
+    assert P.pooling_params() == PoolingParams("LAST", True)  # --pooler-config's defaults
+    assert P.pooling_params(normalize=False) == PoolingParams("LAST", False)
+    assert refused(P.pooling_params, dimensions=8).param == "dimensions"
+    assert refused(P.pooling_params, normalize="yes").param == "normalize"
+    P.check_pooling_prompt([1] * 99)
+    e = refused(P.check_pooling_prompt, [1] * 100)
+    assert e.param == "input" and "at most 99" in str(e)
+    assert refused(P.check_pooling_prompt, []).param == "prompt"
+    assert refused(P.check_pooling_prompt, [1000]).param == "prompt"
+    with pytest.raises(ValueError, match="pooling_type"):
+        PoolingParams("STEP")

@@ -12,11 +12,14 @@ from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import PrefixCacheStats, SchedulerStats, StepStats
 from jaxserve.engine_core.step_trace import StepTrace
 from jaxserve.engine_core.wire import decode_record, encode_record
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 RECORDS = [
     EngineCoreRequest("r", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=9),
                       12.5, priority=3, cache_salt="s"),
+    EngineCoreRequest("e", [4, 5], SamplingParams(max_tokens=1), 1.0,
+                      pooling_params=PoolingParams("MEAN", normalize=False)),
     EngineReady(100, 16, 2048, 49152, 64, {"load_s": 1.5, "compile_s": 20.0}),
     StepTrace(7, 1.0, 1.1, 4, 64, 1.2, 1.3, 1.5, 1.6, 0.01, 1, 0.5),
     SchedulerStats(3, 1, 0.25, PrefixCacheStats(2, 100, 40), 1,

@@ -1,0 +1,76 @@
+"""Bodies of POST /v1/embeddings (OpenAI's, with vLLM's extra fields) and vLLM's /pooling."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from jaxserve.api_server.protocol import (
+    Int64,
+    NonEmptyText,
+    OpenAIBaseModel,
+    OpenAIRequest,
+    Text,
+    TokenId,
+    UsageInfo,
+    WholeInt,
+    random_uuid,
+)
+
+# OpenAI's cap on inputs per request (clients such as langchain batch up to it).
+MAX_INPUTS = 2048
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """OpenAI's embeddings request; vLLM's extras: `normalize` (None: --pooler-config's),
+    `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
+    `add_special_tokens`, `priority`."""
+
+    model: Text | None = None
+    # Non-empty in the schema too, so schema-driven clients (and fuzzers) know it.
+    input: (Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_INPUTS)]
+            | NonEmptyText
+            | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[WholeInt, Field(ge=1)] | None = None
+    user: Text | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    """vLLM's /pooling answer: the same vectors as /v1/embeddings under `data`."""
+
+    id: str = Field(default_factory=lambda: f"pool-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo

@@ -1,0 +1,116 @@
+"""POST /v1/embeddings and vLLM's /pooling: one vector per input, from the served model.
+
+Each input is an engine request of its own (a pooling request: jaxserve/pooling_params.py),
+run by the same engine and batch as generation, its prompt pooled as --pooler-config says.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from contextlib import aclosing
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+from fastapi.responses import Response
+
+from jaxserve.api_server.embedding_protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingResponseData,
+    PoolingResponse,
+    PoolingResponseData,
+)
+from jaxserve.api_server.protocol import UsageInfo, random_uuid
+from jaxserve.api_server.serving import (
+    OpenAIError,
+    ServingContext,
+    merge_async_iterators,
+)
+from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, InvalidInputError
+from jaxserve.outputs import EmbeddingRequestOutput
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    """The vector as JSON floats, or base64 of its little-endian float32 bytes (what the
+    openai SDK asks for by default and decodes with numpy)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector
+
+
+class OpenAIServingEmbedding:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create_embedding(self, request: EmbeddingRequest, pooling: bool = False) -> Response:
+        """Validate, embed every input, answer in input order (`pooling`: vLLM's /pooling
+        shape); raises OpenAIError for a bad request."""
+        ctx = self.ctx
+        received = time.time()
+        ctx.check_model(request.model)
+        inputs = await self._inputs(request)
+        spans = [("tokenize", received, time.time())]
+        try:
+            params = ctx.processor.pooling_params(request.normalize, request.dimensions)
+            for ids in inputs:
+                ctx.processor.check_pooling_prompt(ids)
+        except InvalidInputError as e:
+            raise OpenAIError(str(e), param="input" if e.param == "prompt" else e.param) from None
+        arrival = time.monotonic()
+        request_id = f"{'pool' if pooling else 'embd'}-{random_uuid()}"
+        gens = []
+        for i, ids in enumerate(inputs):
+            rid = f"{request_id}-{i}"
+            gens.append(ctx.client.generate(
+                rid, None, ids, POOLING_SAMPLING_PARAMS, priority=request.priority,
+                arrival_time=arrival, trace=ctx.start_trace(rid, received, spans),
+                pooling_params=params))
+        final: list[Any] = [None] * len(inputs)
+        async with aclosing(merge_async_iterators(*gens)) as results:
+            async for i, res in results:
+                final[i] = res
+        vectors = [self._vector(r) for r in final]
+        num_tokens = sum(len(ids) for ids in inputs)
+        usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        fmt = request.encoding_format
+        if pooling:
+            body: Any = PoolingResponse(
+                id=request_id, model=ctx.model_name, usage=usage,
+                data=[PoolingResponseData(index=i, data=encode_vector(v, fmt))
+                      for i, v in enumerate(vectors)])
+        else:
+            body = EmbeddingResponse(
+                id=request_id, model=ctx.model_name, usage=usage,
+                data=[EmbeddingResponseData(index=i, embedding=encode_vector(v, fmt))
+                      for i, v in enumerate(vectors)])
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _vector(res: EmbeddingRequestOutput | None) -> list[float]:
+        if res is None or res.outputs is None:
+            raise OpenAIError("the engine ended the request without its embedding",
+                              HTTPStatus.INTERNAL_SERVER_ERROR)
+        return res.outputs.embedding
+
+    async def _inputs(self, request: EmbeddingRequest) -> list[list[int]]:
+        """Each input's token ids (texts tokenized off the event loop), truncated to the
+        last `truncate_prompt_tokens` if asked."""
+        raw = request.input
+        if isinstance(raw, str):
+            raw = [raw]
+        if isinstance(raw[0], int):
+            raw = [raw]
+        out = []
+        for item in raw:
+            if isinstance(item, str):
+                ids = await self.ctx.tokenize(item, "input",
+                                              add_special_tokens=request.add_special_tokens)
+            else:
+                ids = list(item)
+            k = request.truncate_prompt_tokens
+            if k is not None:
+                ids = ids[-(self.ctx.max_model_len - 1 if k == -1 else k):] if k else []
+            out.append(ids)
+        return out

@@ -1,0 +1,112 @@
+"""Pooling for embedding requests (vLLM's `Pooler`), chunk by chunk.
+
+An embedding request's prompt runs through the same forward as generation, so chunked
+prefill splits it over steps. Each step the runner asks the forward for every token's
+final-norm hidden state (the variant prompt logprobs use) and `pool_sums` adds, per pooling
+request, the rows its pooling type reads (LAST: the last prompt position; CLS: position 0;
+MEAN: all of them) into one float32 row. `Pooler` keeps the partial sums on the host between
+chunks and, in the step that finishes a prompt, turns them into the vector (MEAN divides by
+the prompt length; `normalize` divides by the L2 norm).
+
+    step k   tokens  [ r0 r0 r0 | r1 r1 | g g ]   segments [0 0 0 1 1 S S]   (S: dropped)
+             pool_sums -> [S, H] rows 0, 1    Pooler: r0 += row 0, r1 += row 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.pooling_params import PoolingParams
+
+_NORM_EPS = 1e-12  # torch.nn.functional.normalize's, as vLLM's pooler uses
+
+
+def pool_sums(hidden: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+    """[num_segments, H] float32: the sum of `hidden`'s rows in each segment (rows whose
+    segment is out of range are dropped)."""
+    return jax.ops.segment_sum(hidden.astype(jnp.float32), segments, num_segments=num_segments)
+
+
+@dataclass(frozen=True)
+class PoolingRows:
+    """One pooling request in a step: its row of `pool_sums`' output, how many prompt
+    positions it added, and whether the step finishes its prompt."""
+
+    req_id: str
+    segment: int
+    count: int
+    final: bool
+    num_prompt_tokens: int
+    params: PoolingParams
+
+
+class Pooler:
+    """The worker's embedding requests (their PoolingParams) and their partial sums."""
+
+    def __init__(self, max_segments: int) -> None:
+        self.max_segments = max_segments
+        self.requests: dict[str, PoolingParams] = {}
+        self._sums: dict[str, np.ndarray] = {}
+
+    def add_request(self, req_id: str, params: PoolingParams) -> None:
+        """A new or resumed (recomputed from scratch) embedding request."""
+        self.requests[req_id] = params
+        self._sums.pop(req_id, None)
+
+    def remove_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self._sums.pop(req_id, None)
+
+    def segments(self, req_ids: list[str], kv_lens: np.ndarray, cu_q_lens: np.ndarray,
+                 num_prompt_tokens: np.ndarray, T: int
+                 ) -> tuple[np.ndarray, list[PoolingRows]] | None:
+        """Each token row's segment (`pool_sums`' input) and the step's pooling requests, or
+        None when the step has none. Request i's chunk covers positions
+        [kv_lens[i] - its tokens, kv_lens[i]); only prompt positions are pooled."""
+        if not self.requests:
+            return None
+        seg = np.full(T, self.max_segments, np.int32)
+        rows: list[PoolingRows] = []
+        for i, req_id in enumerate(req_ids):
+            params = self.requests.get(req_id)
+            if params is None:
+                continue
+            start_tok, end = int(cu_q_lens[i]), int(kv_lens[i])
+            first = end - (int(cu_q_lens[i + 1]) - start_tok)
+            P = int(num_prompt_tokens[i])
+            lo, hi = first, min(end, P)  # this chunk's prompt positions
+            if params.pooling_type == "LAST":
+                lo = max(lo, P - 1)
+            elif params.pooling_type == "CLS":
+                hi = min(hi, 1)
+            k = len(rows)
+            if hi > lo:
+                seg[start_tok + lo - first:start_tok + hi - first] = k
+            if hi > lo or end >= P:
+                rows.append(PoolingRows(req_id, k, max(hi - lo, 0), end >= P, P, params))
+        return (seg, rows) if rows else None
+
+    def finish(self, sums: np.ndarray, rows: list[PoolingRows]) -> dict[str, list[float]]:
+        """Add a step's `pool_sums` (on the host) to the partial sums; returns the vectors of
+        the requests whose prompt it finished. A request removed while the step was in
+        flight (aborted, or preempted: it restarts from scratch) is skipped."""
+        done: dict[str, list[float]] = {}
+        for r in rows:
+            if r.req_id not in self.requests:
+                continue
+            acc = sums[r.segment] + self._sums.get(r.req_id, 0.0)
+            if not r.final:
+                self._sums[r.req_id] = acc
+                continue
+            self._sums.pop(r.req_id, None)
+            if r.params.pooling_type == "MEAN":
+                acc = acc / r.num_prompt_tokens
+            if r.params.normalize:
+                acc = acc / max(float(np.linalg.norm(acc)), _NORM_EPS)
+            done[r.req_id] = acc.astype(np.float32).tolist()
+        return done
+

@@ -1,0 +1,106 @@
+"""POST /v1/embeddings (and vLLM's /pooling) through the openai SDK: the default model behind
+`--pooler-config` MEAN without normalization and 32-token steps (chunked prefill), against
+transformers' hidden states; beside chat requests on the same engine; bad inputs are 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+TEXTS = ["Hello, world", ("The quick brown fox jumps over the lazy dog, again and again, while "
+                          "the farmer watches from the porch and the sun sets slowly behind the "
+                          "hills of the valley.")]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--max-num-batched-tokens", "32", "--pooler-config",
+                       json.dumps({"pooling_type": "MEAN", "normalize": False})]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(server: RemoteServer, hf_default_model) -> list[np.ndarray]:
+    """transformers' final hidden states averaged over each text's tokens."""
+    import torch
+
+    ids = [httpx.post(server.url("/tokenize"), json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    assert len(ids[1]) > 32  # split over steps
+    with torch.no_grad():
+        return [hf_default_model(torch.tensor([i]), output_hidden_states=True)
+                .hidden_states[-1][0].mean(0).numpy() for i in ids]
+
+
+def close(got, want: np.ndarray) -> None:
+    # Raw states (entries up to ~10^2): within 1e-4 of the largest entry.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_embeddings_create_batched_base64_and_float(server: RemoteServer, reference) -> None:
+    client = server.client()
+    r = client.embeddings.create(model=MODEL, input=TEXTS)  # the SDK asks for base64
+    assert [d.index for d in r.data] == [0, 1] and r.model == MODEL and r.object == "list"
+    for d, want in zip(r.data, reference):
+        close(d.embedding, want)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 32
+    raw = httpx.post(server.url("/v1/embeddings"), json={"input": TEXTS[0],
+                                                          "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    close(vec, reference[0])
+    floats = client.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
+    close(floats.data[0].embedding, reference[1])
+    # Token ids are the same input; vLLM's `normalize` overrides the server's default.
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": TEXTS[0]}).json()["tokens"]
+    unit = client.embeddings.create(model=MODEL, input=[ids], encoding_format="float",
+                                    extra_body={"normalize": True})
+    close(unit.data[0].embedding, reference[0] / np.linalg.norm(reference[0]))
+    pooling = httpx.post(server.url("/pooling"), json={"input": ids}).json()
+    assert pooling["data"][0]["object"] == "pooling"
+    close(pooling["data"][0]["data"], reference[0])
+
+
+def test_embeddings_beside_chat_on_one_engine(server: RemoteServer, reference) -> None:
+    client = server.async_client()
+
+    async def both():
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16,
+            temperature=0.0)
+        embeds = [client.embeddings.create(model=MODEL, input=TEXTS) for _ in range(4)]
+        return await asyncio.gather(chat, *embeds)
+
+    chat, *embeds = asyncio.run(both())
+    assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+    for r in embeds:
+        for d, want in zip(r.data, reference):
+            close(d.embedding, want)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+    ({"input": []}, 400, "input"),
+    ({"input": ""}, 400, "input"),
+    ({"input": [[1, 2], []]}, 400, "input"),
+    ({"input": [5, 10**6]}, 400, "input"),
+    ({"input": "word " * 600}, 400, "input"),
+    ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
+    ({"input": "x", "model": "nope"}, 404, "model"),
+])
+def test_bad_inputs(server: RemoteServer, body: dict, status: int, param: str) -> None:
+    r = httpx.post(server.url("/v1/embeddings"), json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"].startswith(param)
+    with pytest.raises(openai.APIStatusError):
+        server.client().embeddings.create(model=body.get("model", MODEL),
+                                          **{k: v for k, v in body.items() if k != "model"})

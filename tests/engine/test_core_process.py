@@ -160,7 +160,7 @@ def test_request_round_trips_through_msgpack() -> None:
     assert isinstance(msgpack.unpackb(frame), list)
     # A record of the wrong length names its class and fields; bad parameters are the
     # request's fault.
-    with pytest.raises(InvalidRequestError, match=r"EngineCoreRequest record has 6 fields"):
+    with pytest.raises(InvalidRequestError, match=r"EngineCoreRequest record has 7 fields"):
         EngineCoreRequest.decode(payload[0][:5])
     bad = encode_record(req)
     bad[2][4] = -1.0  # temperature

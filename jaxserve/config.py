@@ -55,6 +55,9 @@ class ModelConfig:
     # vLLM's --load-format: "auto" reads the checkpoint; "dummy" gives random weights of its
     # config's shapes (config.json alone suffices: benchmarks, device checks).
     load_format: str = "auto"
+    # vLLM's skip_tokenizer_init: no tokenizer (a checkpoint without one); prompts are token
+    # ids and outputs are token ids only (no text, no stop strings).
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -163,6 +166,9 @@ class ParallelConfig:
     distributed_coordinator_address: str | None = None
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None
+    # vLLM's --enable-expert-parallel: a mixture of experts' experts split over the devices of
+    # the tensor-parallel axis (whole experts per device) instead of each expert's columns.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -44,7 +44,8 @@ class LLM:
             logging.getLogger(__name__).info("followed process 0 for %d steps", steps)
             raise SystemExit(0)
         files = resolve_model(model)
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer or files)
+        self.tokenizer = (None if config.model_config.skip_tokenizer_init
+                          else load_tokenizer(config.model_config.tokenizer or files))
         self._model_eos = model_eos_token_ids(files)
         self._generation_defaults = generation_defaults(files)
         built = build_engine_core(config, self._eos())
@@ -56,7 +57,8 @@ class LLM:
         self.processor = Processor(
             self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
             frozenset(self._model_eos),
-            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            encode=None if self.tokenizer is None else (
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False)),
             pooler_config=self.config.pooler_config)
         self._counter = itertools.count()
         self._shut_down = False
@@ -64,7 +66,8 @@ class LLM:
             atexit.register(self.shutdown)  # a script that ends still releases the others
 
     def _eos(self) -> int | None:
-        return None if self.tokenizer.eos_token_id is None else int(self.tokenizer.eos_token_id)
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        return None if eos is None else int(eos)
 
     # ---- public API --------------------------------------------------------------------
 
@@ -108,6 +111,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -153,6 +158,9 @@ class LLM:
                 raise ValueError("a dict prompt needs 'prompt_token_ids'")
             token_ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
         else:
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (skip_tokenizer_init is set): "
+                                 "give {'prompt_token_ids': [...]}")
             token_ids, text = self.tokenizer(prompt).input_ids, prompt
         if pooling_params is not None:
             self.processor.check_pooling_prompt(token_ids)

@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     if num_processes > 1 and config.parallel_config.data_parallel_size > 1:
         parser.error("--data-parallel-size with multi-host (JAX_NUM_PROCESSES > 1) is not supported")
+    if args.skip_tokenizer_init:
+        parser.error("--skip-tokenizer-init is offline-only for now (LLM(..., "
+                     "skip_tokenizer_init=True)): the server needs the model's tokenizer")
     if process_id != 0:
         sys.exit(follow(config, process_id, num_processes))
     if args.chat_template is not None:

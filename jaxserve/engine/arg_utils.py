@@ -91,6 +91,9 @@ class EngineArgs:
     load_format: str = field(default="auto", metadata=_arg(
         "model", "dummy: random weights of the model's shapes (its config.json alone "
         "suffices), for benchmarks and device checks", choices=list(LOAD_FORMATS)))
+    skip_tokenizer_init: bool = field(default=False, metadata=_arg(
+        "model", "load no tokenizer (a checkpoint without one): prompts are token ids, outputs "
+        "token ids only", action="store_true"))
     seed: int = field(default=0, metadata=_arg(
         "model", "engine seed (requests without a seed derive theirs from it)", type=int))
     # cache
@@ -138,6 +141,9 @@ class EngineArgs:
         "parallel", "devices each layer is split over", "-tp", type=int))
     pipeline_parallel_size: int = field(default=1, metadata=_arg(
         "parallel", "stages the layers are split into", "-pp", type=int))
+    enable_expert_parallel: bool = field(default=False, metadata=_arg(
+        "parallel", "mixture of experts: split the experts over the tensor-parallel devices "
+        "(E / tp whole experts each) instead of every expert's columns", action="store_true"))
     data_parallel_size: int = field(default=1, metadata=_arg(
         "parallel", "engine-core processes, each with its own devices, KV cache and scheduler",
         "-dp", type=int))
@@ -225,7 +231,8 @@ class EngineArgs:
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                 seed=self.seed, served_model_name=served, tokenizer=self.tokenizer,
-                quantization=self.quantization, load_format=self.load_format),
+                quantization=self.quantization, load_format=self.load_format,
+                skip_tokenizer_init=self.skip_tokenizer_init),
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -241,7 +248,8 @@ class EngineArgs:
                 self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                 distributed_coordinator_address=self.distributed_coordinator_address,
                 distributed_num_processes=self.distributed_num_processes,
-                distributed_process_id=self.distributed_process_id),
+                distributed_process_id=self.distributed_process_id,
+                enable_expert_parallel=self.enable_expert_parallel),
             enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret, request_tracing=self.request_tracing,
             speculative_config=spec, structured_outputs_config=so, pooler_config=pooler)

@@ -72,9 +72,10 @@ def child_id(request_id: str, index: int, n: int) -> str:
 class OutputProcessor:
     def __init__(self, tokenizer: Any, request_tracing: bool = True) -> None:
         """`request_tracing`: keep a RequestTrace per request (RequestMetrics.trace)."""
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None (skip_tokenizer_init): token ids only, no text
         self.request_tracing = request_tracing
-        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream needs
+        # The Rust tokenizer DecodeStream needs.
+        self._backend = None if tokenizer is None else tokenizer.backend_tokenizer
         self.requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -89,6 +90,9 @@ class OutputProcessor:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if pooling_params is not None and params.n != 1:
             raise ValueError("an embedding request has one sequence (n=1)")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set): "
+                             "use stop_token_ids")
         children = []
         seqs = []
         for i in range(params.n):
@@ -180,6 +184,8 @@ class OutputProcessor:
                 and isinstance(out.stop_reason, int | type(None))
             if is_last_stop:
                 break
+            if self._backend is None:
+                continue  # no tokenizer: token ids only
             piece = seq.stream.step(self._backend, tok)
             if not piece:
                 continue
@@ -203,10 +209,12 @@ class OutputProcessor:
 
     def _entry(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
         """{token: Logprob} for a row: its token (with `rank`), then the top-N by rank."""
-        entry = {ids[0]: Logprob(vals[0], rank, self.tokenizer.decode([ids[0]]))}
+        decode = (lambda t: None) if self.tokenizer is None else (
+            lambda t: self.tokenizer.decode([t]))
+        entry = {ids[0]: Logprob(vals[0], rank, decode(ids[0]))}
         for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
             if t not in entry:
-                entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
+                entry[t] = Logprob(v, r, decode(t))
         return entry
 
     def _logprob_entries(self, lp: Any) -> list[dict[int, Logprob] | None]:

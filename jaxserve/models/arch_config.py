@@ -1,8 +1,9 @@
 """The architecture of a Llama-family decoder, read from a Hugging Face config.
 
 One frozen dataclass covers Llama 2/3/3.x, Mistral, SmolLM2, TinyLlama, Qwen2
-(q/k/v bias) and Qwen3 (q/k RMSNorm) through flags. It is hashable, so it is a
-static argument of `jax.jit`.
+(q/k/v bias), Qwen3 (q/k RMSNorm) and the mixtures of experts Mixtral and Qwen3-MoE
+through fields, with the rope scalings of rope.py. It is hashable, so it is a static
+argument of `jax.jit`.
 """
 
 from __future__ import annotations
@@ -11,15 +12,66 @@ from dataclasses import dataclass
 from typing import Any
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")  # besides none ("default")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style rope scaling (`rope_type == "llama3"`); other types are rejected."""
+    """A checkpoint's rope scaling (transformers' `rope_scaling` / `rope_parameters`); the
+    fields each type reads are in jaxserve/models/rope.py."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
+    # llama3
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3, yarn, longrope: the context the model was pretrained with
     original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # yarn, longrope: cos/sin scale (None: derived from factor)
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors below / above original_max_position_embeddings
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported "
+                             f"(supported: {', '.join(ROPE_TYPES)}, or none)")
+        for name in ("short_factor", "long_factor"):  # lists from JSON: hashable
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in v))
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope rope_scaling needs short_factor and long_factor")
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling | None:
+        """From a config's rope dict (None for the default type); `cfg` supplies what older
+        configs keep beside it (original_max_position_embeddings)."""
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("default", None):
+            return None
+        if rope_type == "su":  # Phi-3's first name for longrope
+            rope_type = "longrope"
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        orig = rope.get("original_max_position_embeddings",
+                        cfg.get("original_max_position_embeddings"))
+        if orig is None:
+            orig = 8192 if rope_type == "llama3" else max_pos
+        factor = rope.get("factor")
+        if factor is None:
+            factor = max_pos / orig if rope_type in ("yarn", "longrope") else 1.0
+        known = {f for f in cls.__dataclass_fields__} - {"rope_type", "factor",
+                                                         "original_max_position_embeddings"}
+        extra = {k: v for k, v in rope.items() if k in known and v is not None}
+        return cls(rope_type=rope_type, factor=float(factor),
+                   original_max_position_embeddings=int(orig), **extra)
 
 
 @dataclass(frozen=True)
@@ -43,6 +95,13 @@ class ArchConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # Mistral: a query at position p sees keys p-W+1..p (every layer alike).
     sliding_window: int | None = None
+    partial_rotary_factor: float = 1.0  # rope on the first part of each head only (Phi-4-mini)
+    # Mixture of experts (Mixtral, Qwen3-MoE; 0: a dense MLP): every layer routes each token
+    # to num_experts_per_tok of num_experts SwiGLU experts of moe_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights (Mixtral always does)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -50,6 +109,20 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the checkpoint takes (the default max_model_len): linear and
+        dynamic scaling stretch max_position_embeddings by their factor, yarn the pretrained
+        context (vLLM's rule); llama3 and longrope configs already give the long one."""
+        s, n = self.rope_scaling, self.max_position_embeddings
+        if s is None:
+            return n
+        if s.rope_type in ("linear", "dynamic"):
+            return int(n * s.factor)
+        if s.rope_type == "yarn":
+            return max(n, int(s.original_max_position_embeddings * s.factor))
+        return n
 
     @property
     def q_size(self) -> int:
@@ -72,27 +145,14 @@ class ArchConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
-        scaling = None
-        if rope:
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type == "llama3":
-                scaling = RopeScaling(
-                    factor=float(rope["factor"]),
-                    low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(
-                        rope.get("original_max_position_embeddings", 8192)
-                    ),
-                )
-            elif rope_type != "default":
-                raise ValueError(
-                    f"rope_scaling type {rope_type!r} is not supported (supported: 'llama3', none)"
-                )
+        scaling = RopeScaling.from_hf(rope, cfg) if rope else None
         theta = cfg.get("rope_theta")
         if theta is None and isinstance(cfg.get("rope_parameters"), dict):
             theta = cfg["rope_parameters"].get("rope_theta")
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        window = cfg.get("sliding_window") if arch in ("MistralForCausalLM",
+                                                       "MixtralForCausalLM") else None
+        moe = _moe_fields(arch, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -111,8 +171,30 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             sliding_window=int(window) if window else None,
+            partial_rotary_factor=float((rope or {}).get(
+                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
+            **moe,
         )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' fields of ArchConfig ({} for a dense model)."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(cfg["num_local_experts"]),
+                    num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        # Layers of both kinds would need two layer scans: not built yet.
+        raise ValueError(f"{arch} with dense layers among the sparse ones (decoder_sparse_step "
+                         f"{step}, mlp_only_layers {dense}) is not supported")
+    return dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts"))),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))

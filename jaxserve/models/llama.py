@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3/3.x, Mistral, SmolLM2, TinyLlama, Qwen2, Qwen3).
+"""The Llama-family decoder (Llama 2/3/3.x, Mistral, SmolLM2, TinyLlama, Qwen2, Qwen3, and
+with moe.py's feed-forward Mixtral and Qwen3-MoE).
 
 Layers are stacked and run under `nn.scan`: one compiled layer body instead of
 `num_hidden_layers` unrolled copies keeps CPU compile time low. The KV cache of
@@ -27,7 +28,9 @@ from jax.sharding import Mesh, PartitionSpec
 import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
-from jaxserve.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxserve.models.layers import RMSNorm, SwiGLU
+from jaxserve.models.moe import MoE
+from jaxserve.models.rope import apply_rope, needs_seq_lens, rope_cos_sin, token_seq_lens
 from jaxserve.models.quantization import INT8_LAYERS, dense as make_dense, embed as make_embed
 
 
@@ -49,6 +52,7 @@ class ModelOptions:
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
     quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
+    expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
 
     @property
     def cpu_kernel(self) -> bool:
@@ -184,8 +188,10 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="post_attention_layernorm")(h)
-        h = h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
-                       cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")(mlp_in, layer_idx)
+        mlp = MoE(cfg, opts, name="mlp") if cfg.num_experts else SwiGLU(
+            cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
+            cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")
+        h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
 
 
@@ -231,7 +237,9 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(
         self, h: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
+        seq_lens = (token_seq_lens(md.kv_lens, md.cu_q_lens, h.shape[0])
+                    if needs_seq_lens(self.cfg) else None)
+        cos, sin = rope_cos_sin(self.cfg, positions, seq_lens)
         plan = kernels_pallas.attention_plan(
             md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
             page_size=kv_cache.shape[2], backend=self.opts.attention_backend,

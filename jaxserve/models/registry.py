@@ -1,8 +1,9 @@
 """Hugging Face `architectures` names -> the decoder that implements them.
 
 Every name here is served by the one Llama-family decoder in `llama.py`; the
-differences (q/k/v bias, q/k norm, tied head, rope scaling) are flags of
-`ArchConfig`. A structurally different model gets its own file and entry.
+differences (q/k/v bias, q/k norm, tied head, rope scaling, a mixture-of-experts
+feed-forward from `moe.py`) are fields of `ArchConfig`. A structurally different
+model gets its own file and entry.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ _ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # Mixtures of experts: the same decoder with models/moe.py as its feed-forward.
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
 }
 
 

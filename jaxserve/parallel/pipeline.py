@@ -85,7 +85,8 @@ def build_stages(
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
-        params = host if placed and pp == 1 else jax.device_put(host, param_shardings(host, sub))
+        params = host if placed and pp == 1 else jax.device_put(
+            host, param_shardings(host, sub, opts.expert_parallel))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages
 
@@ -121,7 +122,7 @@ def abstract_stages(
         cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              host, param_shardings(host, sub))
+                              host, param_shardings(host, sub, opts.expert_parallel))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages
 

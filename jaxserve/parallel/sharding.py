@@ -6,6 +6,8 @@
     mlp            model       gate/up output columns, down_proj input rows
     kv_slots       model       a token's KV-cache entries by head: [2*kvh, D] rows, or the
                                TPU's packed words (whole heads per device either way)
+    expert_mlp     model       each expert's intermediate columns (mixture of experts)
+    experts        model       whole experts instead, with --enable-expert-parallel
     layers, embed, head_dim    (replicated)
 
 Head counts that the tensor-parallel degree does not divide (SmolLM2-135M has 9
@@ -38,7 +40,12 @@ LOGICAL_RULES: dict[str, str | None] = {
     "layers": None,
     "embed": None,
     "head_dim": None,
+    # A mixture of experts: each expert's intermediate columns over "model" (as the dense
+    # MLP's), or with expert parallelism whole experts (EXPERT_PARALLEL_RULES).
+    "experts": None,
+    "expert_mlp": "model",
 }
+EXPERT_PARALLEL_RULES = {**LOGICAL_RULES, "experts": "model", "expert_mlp": None}
 
 # Param path (inside "params") -> logical axes of the leaf.
 PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -59,6 +66,10 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "mlp", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "mlp", "up_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "mlp", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+    ("layers", "mlp", "gate"): ("layers", "embed", None),  # the MoE router
+    ("layers", "mlp", "w_gate"): ("layers", "experts", "embed", "expert_mlp"),
+    ("layers", "mlp", "w_up"): ("layers", "experts", "embed", "expert_mlp"),
+    ("layers", "mlp", "w_down"): ("layers", "experts", "expert_mlp", "embed"),
 }
 
 def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
@@ -80,26 +91,30 @@ PARAM_AXES.update(_int8_axes(PARAM_AXES))
 KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")
 
 
-def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                    rules: dict[str, str | None] | None = None) -> PartitionSpec:
     """Map logical axes to mesh axes; a dimension the mesh axis does not divide stays whole."""
     spec = []
     for name, dim in zip(axes, shape):
-        mesh_axis = LOGICAL_RULES.get(name) if name else None
+        mesh_axis = (rules or LOGICAL_RULES).get(name) if name else None
         if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
             mesh_axis = None
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
 
 
-def param_shardings(params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """NamedSharding for every leaf of `{"params": ...}`."""
+def param_shardings(params: dict[str, Any], mesh: Mesh, expert_parallel: bool = False
+                    ) -> dict[str, Any]:
+    """NamedSharding for every leaf of `{"params": ...}` (`expert_parallel`: whole experts
+    per device)."""
+    rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_RULES
 
     def one(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
         keys = tuple(p.key for p in path)[1:]  # drop the leading "params"
         axes = PARAM_AXES.get(keys)
         if axes is None:
             raise KeyError(f"no sharding rule for parameter {'/'.join(keys)}")
-        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh))
+        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules))
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -89,11 +89,11 @@ def resolve_attention_backend(name: str, platform: str, interpret: bool) -> str:
 
 def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     if requested is None:
-        return arch.max_position_embeddings
-    if requested > arch.max_position_embeddings:
+        return arch.context_length
+    if requested > arch.context_length:
         raise ValueError(
             f"max_model_len {requested} exceeds the model's context length "
-            f"{arch.max_position_embeddings}"
+            f"{arch.context_length}"
         )
     return requested
 
@@ -129,7 +129,8 @@ class Worker:
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
-            config.model_config.quantization, config.cache_config.cache_dtype)
+            config.model_config.quantization, config.cache_config.cache_dtype,
+            config.parallel_config.enable_expert_parallel)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
@@ -176,7 +177,8 @@ class Worker:
             arch = read_orbax_arch(files.path)
             lay = head_layout(arch, tp)
             if lay.num_kv_heads == arch.num_key_value_heads:
-                shardings = param_shardings(orbax_param_shapes(files.path), self.mesh)
+                shardings = param_shardings(orbax_param_shapes(files.path), self.mesh,
+                                            self.model_options.expert_parallel)
                 return arch, restore_orbax(files.path, self.dtype, shardings)
         # Heads are padded / replicated for tp on float weights; otherwise int8 weights are
         # read as int8, one tensor at a time.

@@ -38,6 +38,15 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=32, **cfg_kwargs)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg_kwargs = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                      "norm_topk_prob": True, "head_dim": 16, **cfg_kwargs}
+        cfg = transformers.Qwen3MoeConfig(**cfg_kwargs)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg_kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, **cfg_kwargs}
+        cfg = transformers.MixtralConfig(**cfg_kwargs)
+        model = transformers.MixtralForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # Random init leaves norms at 1 and biases at 0; perturb them so a mix-up shows.

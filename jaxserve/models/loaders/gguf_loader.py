@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from jaxserve.models.arch_config import ArchConfig, RopeScaling
-from jaxserve.models.layers import rope_inv_freq
+from jaxserve.models.rope import rope_inv_freq
 from jaxserve.models.loaders.weights import WeightLoadError, build_params
 
 # GGUF `general.architecture` -> (HF architecture, q/k rows permuted by llama.cpp)

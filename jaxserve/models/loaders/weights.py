@@ -36,6 +36,9 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
         ("mlp.up_proj.weight", ("mlp", "up_proj", "kernel"), True, (I, H)),
         ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), True, (H, I)),
     ]
+    if cfg.num_experts:  # the router here; the experts are stacked by _expert_params
+        E = cfg.num_experts
+        rows = rows[:-3] + [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
     if cfg.attention_bias:
         rows += [
             ("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), False, (Q,)),
@@ -48,6 +51,32 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
             ("self_attn.k_norm.weight", ("self_attn", "k_norm", "scale"), False, (D,)),
         ]
     return rows
+
+
+def _moe_prefix(cfg: ArchConfig) -> str:
+    return "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+
+
+# param name -> (Mixtral's HF name, Qwen3-MoE's): each expert's [out, in] matrix.
+_EXPERT_NAMES = {"w_gate": ("w1", "gate_proj"), "w_up": ("w3", "up_proj"),
+                 "w_down": ("w2", "down_proj")}
+
+
+def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
+    """Every layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I]; w_down:
+    [.., I, H]) from one [out, in] tensor per expert."""
+    L, E, H, I = cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    out = {}
+    for name, hf_names in _EXPERT_NAMES.items():
+        shape = (H, I) if name == "w_down" else (I, H)
+        stacked = np.empty((L, E, shape[1], shape[0]), dtype)
+        for i in range(L):
+            for e in range(E):
+                hf = f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}.weight"
+                stacked[i, e] = _fetch(get, hf, shape, source).T
+        out[name] = stacked
+    return out
 
 
 def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
@@ -85,6 +114,8 @@ def build_params(
     """
     dtype = np.dtype(dtype)
     L = cfg.num_hidden_layers
+    if quantization is not None and cfg.num_experts:
+        raise ValueError("int8 quantization of mixture-of-experts checkpoints is not supported")
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers
@@ -100,6 +131,8 @@ def build_params(
             t = _fetch(get, f"model.layers.{i}.{suffix}", shape, source)
             stacked[i] = t.T if transpose else t
         node[path[-1]] = stacked
+    if cfg.num_experts:
+        layers["mlp"].update(_expert_params(cfg, get, dtype, source))
     V, H = cfg.vocab_size, cfg.hidden_size
     if quantization is not None:
         embed = _fetch_int8(get, "model.embed_tokens.weight", (V, H), source)

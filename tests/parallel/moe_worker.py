@@ -1,0 +1,42 @@
+"""Greedy tokens of a mixture-of-experts checkpoint under tensor and expert parallelism on
+fake CPU devices, and each device's share of the expert weights, printed as JSON.
+
+Used by tests/models/test_moe.py in a subprocess (XLA_FLAGS must be set before JAX starts):
+    python -m tests.parallel.moe_worker MODEL_DIR '[[tp, expert_parallel], ...]' PROMPTS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main() -> None:
+    from jaxserve import LLM, SamplingParams
+
+    model, configs, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for tp, ep in configs:
+        llm = LLM(model, skip_tokenizer_init=True, tensor_parallel_size=tp,
+                  enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
+                  max_num_batched_tokens=16, block_size=4, kv_cache_memory_bytes=4 << 20,
+                  enforce_eager=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        mlp = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]
+        experts = [mlp[n] for n in ("w_gate", "w_up", "w_down")]
+        results[f"tp{tp}-ep{int(ep)}"] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "expert_bytes_per_device": sum(a.addressable_shards[0].data.nbytes for a in experts),
+            "expert_bytes": sum(a.nbytes for a in experts),
+            "w_gate_spec": str(mlp["w_gate"].sharding.spec),
+        }
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

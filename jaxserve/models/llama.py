@@ -53,6 +53,7 @@ class ModelOptions:
     quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
+    platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
     @property
     def cpu_kernel(self) -> bool:

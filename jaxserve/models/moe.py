@@ -36,9 +36,60 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
     return weights, experts.astype(jnp.int32)
 
 
+def block_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per block of `blocked_grouped_matmul`: about the rows a group gets on average
+    (fewer blocks than that would pad more rows; more, read weights more often), a power of
+    two in [1, 128]."""
+    per_group = max(num_rows // max(num_groups, 1), 1)
+    return min(1 << (per_group.bit_length() - 1), 128)
+
+
+def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`ragged_dot` as blocks: rows [M, K] sorted by group, w [G, K, N], group_sizes [G]
+    (sum <= M) -> [M, N] (rows past the groups: zeros). Each group's rows are padded to whole
+    blocks of `block_rows` rows and a loop multiplies each used block by its group's matrix,
+    read in place: the work is the routed rows' (at most about twice), not every group's
+    times every row (XLA's CPU ragged_dot), and no gathered copy of the weights is made."""
+    M, K = xs.shape
+    G, _, N = w.shape
+    B = block_rows(M, G)
+    P = -(-(M + min(G, M) * (B - 1)) // B) * B  # every padded row, at most
+    padded = (group_sizes + B - 1) // B * B
+    padded_start = jnp.cumsum(padded) - padded
+    start = jnp.cumsum(group_sizes) - group_sizes
+    r = jnp.arange(M, dtype=jnp.int32)
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), r, side="right")  # G: past the groups
+    real = group < G
+    g = jnp.minimum(group, G - 1)
+    dest = jnp.where(real, padded_start[g] + r - start[g], P)
+    blocks = jnp.zeros((P, K), xs.dtype).at[dest].set(xs, mode="drop").reshape(P // B, B, K)
+    block_group = jnp.minimum(
+        jnp.searchsorted(jnp.cumsum(padded), jnp.arange(0, P, B, dtype=jnp.int32), side="right"),
+        G - 1)
+
+    def one_block(b: jax.Array, out: jax.Array) -> jax.Array:
+        x_b = jax.lax.dynamic_index_in_dim(blocks, b, keepdims=False)
+        w_b = jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(out, (x_b @ w_b)[None], b, 0)
+
+    used = (jnp.sum(padded) + B - 1) // B
+    out = jax.lax.fori_loop(0, used, one_block, jnp.zeros((P // B, B, N), xs.dtype))
+    out = out.reshape(P, N)[jnp.minimum(dest, P - 1)]
+    return jnp.where(real[:, None], out, 0)
+
+
+def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str
+                   ) -> jax.Array:
+    """Rows sorted by group times their group's matrix: XLA's ragged_dot on accelerators,
+    blocks on the CPU (whose ragged_dot multiplies every row by every group)."""
+    if platform == "cpu":
+        return blocked_grouped_matmul(xs, w, group_sizes)
+    return jax.lax.ragged_dot(xs, w, group_sizes)
+
+
 def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array, first_expert: jax.Array | int = 0
-                ) -> jax.Array:
+                w_up: jax.Array, w_down: jax.Array, first_expert: jax.Array | int = 0,
+                platform: str = "cpu") -> jax.Array:
     """[T, H]: the routed experts' SwiGLU outputs summed per token, for the experts this
     device holds (`w_*` [E_local, ...], experts first_expert..+E_local); pairs routed
     elsewhere contribute nothing."""
@@ -51,9 +102,9 @@ def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     token = order // k
     group_sizes = jnp.bincount(jnp.where(mine, local, E), length=E + 1)[:E].astype(jnp.int32)
     xs = x[token]
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot((nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes)
+    gate = grouped_matmul(xs, w_gate, group_sizes, platform)
+    up = grouped_matmul(xs, w_up, group_sizes, platform)
+    out = grouped_matmul((nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes, platform)
     w = weights.reshape(-1)[order][:, None]
     # NOTE: where, not a product: rows outside every group are not defined by ragged_dot.
     contrib = jnp.where(mine[order][:, None], out.astype(jnp.float32) * w, 0.0)
@@ -77,7 +128,7 @@ class MoE(nn.Module):
         w_down = self.param("w_down", init, (E, I, H), opts.dtype)
         weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         if opts.mesh is None:
-            return experts_ffn(x, weights, experts, w_gate, w_up, w_down)
+            return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
         ep, tp = opts.expert_parallel, opts.mesh.shape["model"]
         if (E if ep else I) % tp:
             raise ValueError(f"{'num_experts' if ep else 'moe_intermediate_size'} "
@@ -88,7 +139,7 @@ class MoE(nn.Module):
 
         def local(x, weights, experts, w_gate, w_up, w_down):
             first = jax.lax.axis_index("model") * w_gate.shape[0] if ep else 0
-            out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first)
+            out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform)
             return jax.lax.psum(out, "model")
 
         rep = PartitionSpec()

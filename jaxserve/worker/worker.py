@@ -130,7 +130,7 @@ class Worker:
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
             config.model_config.quantization, config.cache_config.cache_dtype,
-            config.parallel_config.enable_expert_parallel)
+            config.parallel_config.enable_expert_parallel, self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)

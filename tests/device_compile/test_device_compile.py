@@ -235,3 +235,31 @@ def test_gpu_register_spills_fail_the_compile() -> None:
         compile_with()  # the default tuning
         with pytest.raises(Exception, match="register spilling"):
             compile_with(block_q=32, pages_per_block=8, num_warps=4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_model(tmp_path_factory) -> str:
+    """A Qwen3-MoE-shaped config.json (64 experts, top-8; no weights: preflight needs none)."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("qwen3-moe"))
+    transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=1024,
+        intermediate_size=3072, moe_intermediate_size=256, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target,flags", [
+    ("v5e:1x1", []), ("h200", []), ("v5e:2x2", ["-tp", "4", "--enable-expert-parallel"]),
+], ids=["v5e", "h200", "v5e-ep4"])
+def test_mixture_of_experts_compiles(target: str, flags: list[str], qwen3_moe_model: str) -> None:
+    """The experts' grouped matmuls (ragged_dot) and, with expert parallelism, their
+    shard_map over 4 chips, through each device compiler."""
+    report = _preflight(target, "--model", qwen3_moe_model, "--programs", "forward",
+                        "--only-warm-up", *FIXED_CACHE, *flags)
+    _assert_clean(report)
+    if flags:  # a quarter of the 384 MiB of bf16 experts per chip, beside the rest
+        experts = 4 * 3 * 64 * 1024 * 256 * 2
+        assert experts / 4 < report.memory.weight_bytes < experts / 4 + 40 * 2**20

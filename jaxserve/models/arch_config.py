@@ -150,8 +150,8 @@ class ArchConfig:
         if theta is None and isinstance(cfg.get("rope_parameters"), dict):
             theta = cfg["rope_parameters"].get("rope_theta")
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window") if arch in ("MistralForCausalLM",
-                                                       "MixtralForCausalLM") else None
+        window = cfg.get("sliding_window") if arch in (
+            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None
         moe = _moe_fields(arch, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.

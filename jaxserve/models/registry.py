@@ -16,6 +16,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",  # fused qkv / gate_up split at load (loaders/weights.py)
     # Mixtures of experts: the same decoder with models/moe.py as its feed-forward.
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",

@@ -25,7 +25,7 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_models_match_transformers(kind: str, tmp_path) -> None:
     model_dir = save_tiny_hf(kind, str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)

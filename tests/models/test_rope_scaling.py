@@ -88,3 +88,23 @@ def test_length_dependent_ropes_through_the_engine(name: str, tmp_path) -> None:
         assert o.outputs[0].token_ids == _hf_greedy(model_dir, p, 20) and o.outputs[0].text == ""
     with pytest.raises(ValueError, match="needs a tokenizer"):
         llm.generate("text", greedy)
+
+
+@pytest.mark.parametrize("partial, window", [(1.0, None), (0.75, 16)], ids=["phi3.5", "phi4-mini"])
+def test_phi3_longrope_partial_rotary_and_window_match_transformers(
+        partial: float, window: int | None, tmp_path) -> None:
+    """Phi-3's fused weights split at load, LongRoPE, and Phi-4-mini's partial rotary."""
+    d = int(16 * partial) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.1 * i for i in range(d)],
+            "long_factor": [1.0 + 2.0 * i for i in range(d)]}
+    model_dir = save_tiny_hf("phi3", str(tmp_path), head_dim=16, rope_scaling=rope,
+                             partial_rotary_factor=partial, max_position_embeddings=128,
+                             original_max_position_embeddings=32, sliding_window=window,
+                             tie_word_embeddings=False)
+    arch, params = load_checkpoint(model_dir, np.float32)
+    assert arch.partial_rotary_factor == partial and arch.sliding_window == window
+    assert arch.rope_scaling.original_max_position_embeddings == 32
+    for ids in PROMPTS:
+        ours, ref = prompt_logits(LlamaForCausalLM(arch), params, ids), hf_logits(model_dir, ids)
+        assert np.abs(ours - ref).max() <= 1e-4

@@ -38,6 +38,9 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=32, **cfg_kwargs)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "phi3":
+        cfg = transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg_kwargs)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif kind == "qwen3_moe":
         cfg_kwargs = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
                       "norm_topk_prob": True, "head_dim": 16, **cfg_kwargs}

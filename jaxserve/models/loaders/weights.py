@@ -79,6 +79,35 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> 
     return out
 
 
+# Phi-3 fuses q/k/v and gate/up: (name the table reads, fused name, which part).
+_FUSED = (("self_attn.q_proj", "self_attn.qkv_proj", 0), ("self_attn.k_proj", "self_attn.qkv_proj", 1),
+          ("self_attn.v_proj", "self_attn.qkv_proj", 2), ("mlp.gate_proj", "mlp.gate_up_proj", 0),
+          ("mlp.up_proj", "mlp.gate_up_proj", 1))
+
+
+def _split_fused(cfg: ArchConfig, get: GetTensor) -> GetTensor:
+    """`get` with Phi-3's fused `qkv_proj` [Q + 2 KV, H] and `gate_up_proj` [2 I, H] read as
+    the separate projections (rows split at load; other checkpoints pass through)."""
+    if cfg.architecture != "Phi3ForCausalLM":
+        return get
+    Q, KV, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    bounds = {"self_attn.qkv_proj": (0, Q, Q + KV, Q + 2 * KV), "mlp.gate_up_proj": (0, I, 2 * I)}
+
+    def fused_get(name: str) -> np.ndarray | None:
+        for part, fused, i in _FUSED:
+            if name.endswith(f".{part}.weight"):
+                t = get(name.replace(part, fused))
+                if t is None:
+                    return None
+                lo, hi = bounds[fused][i], bounds[fused][i + 1]
+                if t.shape[0] != bounds[fused][-1]:
+                    return t  # the shape check names it
+                return np.ascontiguousarray(t[lo:hi])
+        return get(name)
+
+    return fused_get
+
+
 def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
     t = get(name)
     if t is None:
@@ -114,6 +143,7 @@ def build_params(
     """
     dtype = np.dtype(dtype)
     L = cfg.num_hidden_layers
+    get = _split_fused(cfg, get)
     if quantization is not None and cfg.num_experts:
         raise ValueError("int8 quantization of mixture-of-experts checkpoints is not supported")
     layers: dict[str, Any] = {}

@@ -8,6 +8,7 @@ argument of `jax.jit`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,16 @@ class ArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalize the top-k routing weights (Mixtral always does)
+    # Gemma 2 / 3 (models/gemma.py): 2 or 3, 0 for the others. Their norms scale by 1 + w,
+    # the embedding by sqrt(hidden_size), the MLP is GeGLU, each layer has four norms.
+    gemma: int = 0
+    query_pre_attn_scalar: float | None = None  # softmax scale query_pre_attn_scalar^-0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits likewise
+    # Per layer: "sliding_attention" (sees the last sliding_window keys) or "full_attention";
+    # None: every layer alike (sliding_window, if any, applies to all).
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rope (unscaled)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -109,6 +120,18 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def local_layers(self) -> tuple[bool, ...] | None:
+        """Which layers attend over the sliding window only, when layers differ (else None)."""
+        if self.layer_types is None or len(set(self.layer_types)) < 2:
+            return None
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    def layer_range(self, lo: int, hi: int) -> ArchConfig:
+        """This architecture's layers lo..hi-1 (a pipeline stage)."""
+        types = None if self.layer_types is None else self.layer_types[lo:hi]
+        return dataclasses.replace(self, num_hidden_layers=hi - lo, layer_types=types)
 
     @property
     def context_length(self) -> int:
@@ -145,14 +168,18 @@ class ArchConfig:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+        if isinstance(rope, dict) and "full_attention" in rope:  # per layer type (Gemma 3)
+            rope = rope["full_attention"]  # the sliding layers': local_rope_theta
         scaling = RopeScaling.from_hf(rope, cfg) if rope else None
         theta = cfg.get("rope_theta")
-        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            theta = cfg["rope_parameters"].get("rope_theta")
+        if theta is None and isinstance(rope, dict):
+            theta = rope.get("rope_theta")
         eos = cfg.get("eos_token_id")
         window = cfg.get("sliding_window") if arch in (
-            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") else None
+            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM") else None
         moe = _moe_fields(arch, cfg)
+        gemma = _gemma_fields(arch, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -171,14 +198,39 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             sliding_window=int(window) if window else None,
             partial_rotary_factor=float((rope or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            **moe,
+            **moe, **gemma,
         )
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's fields of ArchConfig ({} for the others)."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    version = 2 if arch == "Gemma2ForCausalLM" else 3
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"{arch}: hidden_activation {cfg.get('hidden_activation')!r} is not "
+                         "supported (gelu_pytorch_tanh)")
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: Gemma 2 alternates, Gemma 3 has a pattern
+        n, every = cfg["num_hidden_layers"], 2 if version == 2 else cfg.get(
+            "sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(n)]
+    local_theta = None
+    if version == 3:
+        rp = cfg.get("rope_parameters")
+        local = rp.get("sliding_attention") if isinstance(rp, dict) else None
+        local_theta = float((local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+    return dict(gemma=version, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                attn_logit_softcap=cfg.get("attn_logit_softcapping"),
+                final_logit_softcap=cfg.get("final_logit_softcapping"),
+                layer_types=tuple(types), local_rope_theta=local_theta)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

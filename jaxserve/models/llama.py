@@ -70,9 +70,18 @@ def kv_cache_layout(cfg: ArchConfig, dtype: Any, attention_backend: str,
                                           backend=attention_backend)
 
 
-def attention_options(cfg: ArchConfig) -> dict[str, Any]:
-    """The model's attention variations the kernels take (e.g. Mistral's sliding window)."""
-    return {"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}
+def attention_options(cfg: ArchConfig, local: bool | None = None) -> dict[str, Any]:
+    """The model's attention variations the kernels take: the sliding window (Mistral's on
+    every layer; with per-layer kinds, a `local` layer's), Gemma 2's logit soft cap."""
+    out: dict[str, Any] = {}
+    types = cfg.layer_types
+    if local is None:
+        local = types is None or all(t == "sliding_attention" for t in types)
+    if cfg.sliding_window and local:
+        out["sliding_window"] = cfg.sliding_window
+    if cfg.attn_logit_softcap:
+        out["soft_cap"] = float(cfg.attn_logit_softcap)
+    return out
 
 
 def paged_attention(
@@ -88,8 +97,11 @@ def paged_attention(
     interpret: bool,
     options: dict[str, Any] | None = None,
     kv_cache_dtype: str,
+    write: bool = True,
+    read: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write this layer's K/V into the stacked cache, then attend over it.
+    """Write this layer's K/V into the stacked cache, then attend over it (`write=False`:
+    only attend, the caller wrote them; `read=False`: only write, and `q` comes back).
 
     The cache is viewed as `[L * num_pages, ...]` (a free reshape) with page ids
     and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
@@ -104,11 +116,14 @@ def paged_attention(
     if layout.is_fp8:
         kv.update(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
     page_offset = layer_idx * num_pages
-    with jax.named_scope("kv_cache_update"):
-        flat = kernels_pallas.update_kv_cache(
-            flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
-            interpret=interpret, **kv,
-        )
+    if write:
+        with jax.named_scope("kv_cache_update"):
+            flat = kernels_pallas.update_kv_cache(
+                flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
+                interpret=interpret, **kv,
+            )
+    if not read:
+        return q, flat.reshape(kv_cache.shape)
     with jax.named_scope("attention"):
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
@@ -144,26 +159,55 @@ class Attention(nn.Module):
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="k_norm")(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            offset = 1.0 if cfg.gemma else 0.0
+            q = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="k_norm")(k)
 
-        attend = functools.partial(
-            paged_attention, sm_scale=cfg.head_dim**-0.5, backend=opts.attention_backend,
-            interpret=opts.attention_interpret, options=attention_options(cfg),
-            kv_cache_dtype=kv_values_dtype(opts.kv_cache_dtype, opts.dtype),
-        )
-        if opts.mesh is not None:
-            # Each device attends with its own heads over its own slice of the cache:
-            # no communication inside attention (o_proj's all-reduce follows).
-            heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
-            attend = jax.shard_map(
-                attend, mesh=opts.mesh,
-                in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
-                out_specs=(heads, cache), check_vma=False,
+        def attention(local: bool | None, write: bool = True, read: bool = True) -> Any:
+            run = functools.partial(
+                paged_attention, sm_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
+                backend=opts.attention_backend, interpret=opts.attention_interpret,
+                options=attention_options(cfg, local),
+                kv_cache_dtype=kv_values_dtype(opts.kv_cache_dtype, opts.dtype), write=write,
+                read=read,
             )
-        out, kv_cache = attend(q, k, v, kv_cache, layer_idx, md)
+            if opts.mesh is not None:
+                # Each device attends with its own heads over its own slice of the cache:
+                # no communication inside attention (o_proj's all-reduce follows).
+                heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
+                run = jax.shard_map(
+                    run, mesh=opts.mesh,
+                    in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
+                    out_specs=(heads, cache), check_vma=False,
+                )
+            return run
+
+        # cos / sin [2, T, .] when sliding layers have a rope of their own (Gemma 3).
+        def rope(x: jax.Array, local: bool) -> jax.Array:
+            return apply_rope(x, cos[int(local)], sin[int(local)]) if cos.ndim == 3 else \
+                apply_rope(x, cos, sin)
+
+        kinds = cfg.local_layers
+        if kinds is None:
+            out, kv_cache = attention(None)(rope(q, False), rope(k, False), v, kv_cache,
+                                            layer_idx, md)
+        else:
+            # Layers of both kinds in one scan. The cache is written outside the branch (a
+            # branch that wrote it made XLA's GPU pipeline copy the cache); each branch only
+            # reads it, with its window, rope and plan.
+            local = jnp.asarray(kinds)[layer_idx]
+            if cos.ndim == 3:
+                q = jnp.where(local, rope(q, True), rope(q, False))
+                k = jnp.where(local, rope(k, True), rope(k, False))
+            else:
+                q, k = rope(q, False), rope(k, False)
+            _, kv_cache = attention(None, read=False)(q, k, v, kv_cache, layer_idx, md)
+
+            def read(is_local: bool) -> jax.Array:
+                step_md = dataclasses.replace(md, plan=md.plan[int(is_local)])
+                return attention(is_local, write=False)(q, k, v, kv_cache, layer_idx, step_md)[0]
+
+            out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
         out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)
         return out, kv_cache
 
@@ -207,15 +251,17 @@ class LlamaForCausalLM(nn.Module):
         cfg, opts = self.cfg, self.opts
         self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.quantization,
                                        opts.cpu_kernel)
+        from jaxserve.models.gemma import GemmaDecoderLayer  # it builds on this file's Attention
+
         self.layers = nn.scan(
-            DecoderLayer,
+            GemmaDecoderLayer if cfg.gemma else DecoderLayer,
             variable_axes={"params": 0},
             variable_broadcast=INT8_LAYERS,  # the whole int8 stack, indexed by layer inside
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
         )(cfg, opts)
-        self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0 if cfg.gemma else 0.0)
         if not cfg.tie_word_embeddings:
             self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.quantization,
                                       cpu_kernel=opts.cpu_kernel)
@@ -233,18 +279,32 @@ class LlamaForCausalLM(nn.Module):
     # The pieces of __call__, for pipeline stages: the first embeds, every stage runs
     # its own layers (a config with its layer count), the last normalises.
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        if self.cfg.gemma:  # Gemma scales the embedding by sqrt(hidden), in its dtype
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        return x
 
     def run_layers(
         self, h: jax.Array, positions: jax.Array, kv_cache: jax.Array, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array]:
         seq_lens = (token_seq_lens(md.kv_lens, md.cu_q_lens, h.shape[0])
                     if needs_seq_lens(self.cfg) else None)
-        cos, sin = rope_cos_sin(self.cfg, positions, seq_lens)
-        plan = kernels_pallas.attention_plan(
-            md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
-            page_size=kv_cache.shape[2], backend=self.opts.attention_backend,
-            **attention_options(self.cfg))
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(cfg, positions, seq_lens)
+        if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: a rope of their own
+            local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
+            lc, ls = rope_cos_sin(local, positions)
+            cos, sin = jnp.stack([cos, lc]), jnp.stack([sin, ls])
+
+        def make_plan(local: bool | None) -> Any:
+            window = attention_options(cfg, local).get("sliding_window")
+            return kernels_pallas.attention_plan(
+                md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
+                page_size=kv_cache.shape[2], backend=self.opts.attention_backend,
+                **({"sliding_window": window} if window else {}))
+
+        # Layers of both kinds: a plan for each (full, local), the layer picks its own.
+        plan = make_plan(None) if cfg.local_layers is None else (make_plan(False), make_plan(True))
         md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
         (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)
@@ -259,7 +319,9 @@ class LlamaForCausalLM(nn.Module):
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
     def kv_cache(self, num_pages: int, page_size: int) -> jax.ShapeDtypeStruct:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# name -> module implementing it (all the Llama family for now).
+# name -> module implementing it (Gemma's decoder layer in gemma.py, inside llama.py's model).
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma",  # its decoder layer (gemma.py) in llama.py's model
+    "Gemma3ForCausalLM": "gemma",
     "Phi3ForCausalLM": "llama",  # fused qkv / gate_up split at load (loaders/weights.py)
     # Mixtures of experts: the same decoder with models/moe.py as its feed-forward.
     "MixtralForCausalLM": "llama",

@@ -81,7 +81,7 @@ def build_stages(
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
         host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings)
-        cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
+        cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
@@ -119,7 +119,7 @@ def abstract_stages(
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
         host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch.tie_word_embeddings), full)
-        cfg = dataclasses.replace(arch, num_hidden_layers=rng[1] - rng[0])
+        cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               host, param_shardings(host, sub, opts.expert_parallel))

@@ -66,6 +66,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "mlp", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "mlp", "up_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "mlp", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+    ("layers", "pre_feedforward_layernorm", "scale"): ("layers", "embed"),  # Gemma
+    ("layers", "post_feedforward_layernorm", "scale"): ("layers", "embed"),
     ("layers", "mlp", "gate"): ("layers", "embed", None),  # the MoE router
     ("layers", "mlp", "w_gate"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "mlp", "w_up"): ("layers", "experts", "embed", "expert_mlp"),

@@ -180,14 +180,15 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
     check: bool = True,
 ) -> jax.Array:
     """Same contract as the reference. Tuning: `block_q` query tokens per program (default:
-    enough for a 32-row tile), `pages_per_block` pages per step (default: 64 keys),
-    `num_warps` / `num_stages` for Triton (`check_tuning` says which compile; `check=False`
+    enough for a 32-row tile), `pages_per_block` pages per step (default: 64 keys; 32 for
+    head_dim > 128), `num_warps` (default 4; 8 for head_dim > 128: Gemma's 256 spilled
+    registers at 4 warps and 64 keys on H200) / `num_stages` for Triton (`check_tuning` says which compile; `check=False`
     skips it, to ask the compiler itself). head_dim and page_size must be powers of two."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_slots, _ = kv_pages.shape
@@ -199,7 +200,9 @@ def ragged_paged_attention(
                              "use backend='reference'")
     group_pad = next_pow2(group)
     block_q = block_q or max(1, 32 // group_pad)
-    pages_per_block = pages_per_block or max(1, 64 // page_size)
+    wide = head_dim > 128
+    pages_per_block = pages_per_block or max(1, (32 if wide else 64) // page_size)
+    num_warps = num_warps or (8 if wide else 4)
     if check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
         check_tuning(block_q=block_q, pages_per_block=pages_per_block,
                      num_warps=num_warps, num_stages=num_stages)

@@ -263,3 +263,26 @@ def test_mixture_of_experts_compiles(target: str, flags: list[str], qwen3_moe_mo
     if flags:  # a quarter of the 384 MiB of bf16 experts per chip, beside the rest
         experts = 4 * 3 * 64 * 1024 * 256 * 2
         assert experts / 4 < report.memory.weight_bytes < experts / 4 + 40 * 2**20
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory) -> str:
+    """A Gemma-3-1B-shaped config.json: 5 sliding layers to 1 full, soft caps off, q/k norms."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("gemma3"))
+    transformers.Gemma3TextConfig(
+        architectures=["Gemma3ForCausalLM"], vocab_size=32000, hidden_size=1152,
+        intermediate_size=6912, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512,
+        max_position_embeddings=4096).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "h200"])
+def test_gemma3_compiles(target: str, gemma3_model: str) -> None:
+    """Sliding and full layers in one scan (a cond per layer, two attention plans) through
+    each device compiler, with the platform's kernel."""
+    report = _preflight(target, "--model", gemma3_model, "--programs", "forward",
+                        "--only-warm-up", *FIXED_CACHE)
+    _assert_clean(report)

@@ -38,6 +38,12 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=32, **cfg_kwargs)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma2":
+        cfg = transformers.Gemma2Config(head_dim=16, **cfg_kwargs)
+        model = transformers.Gemma2ForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(head_dim=16, **cfg_kwargs)
+        model = transformers.Gemma3ForCausalLM(cfg)
     elif kind == "phi3":
         cfg = transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **cfg_kwargs)
         model = transformers.Phi3ForCausalLM(cfg)

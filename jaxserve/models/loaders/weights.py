@@ -39,6 +39,9 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     if cfg.num_experts:  # the router here; the experts are stacked by _expert_params
         E = cfg.num_experts
         rows = rows[:-3] + [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
+    if cfg.gemma:  # the feed-forward's own sandwich norms
+        rows += [(f"{n}.weight", (n, "scale"), False, (H,))
+                 for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
     if cfg.attention_bias:
         rows += [
             ("self_attn.q_proj.bias", ("self_attn", "q_proj", "bias"), False, (Q,)),

@@ -1,0 +1,73 @@
+"""Gemma 2 and Gemma 3 (text) against transformers, float32, on tiny random checkpoints:
+logits within 1e-4 with sliding and full layers mixed in one layer scan, soft caps and Gemma
+3's two ropes; greedy tokens through the engine on a prompt longer than the window."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.models import LlamaForCausalLM
+from jaxserve.models.loaders import load_checkpoint
+from tests.models.forward import prompt_logits
+from tests.models.tiny import hf_logits, save_tiny_hf
+
+PROMPTS = [list(range(10, 60)), [3], [(5 * i) % 120 + 1 for i in range(23)]]
+WINDOW = 8  # every prompt but one is longer: local layers see only the last 8 keys
+GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+KINDS = {
+    "gemma2": dict(num_hidden_layers=4, sliding_window=WINDOW),
+    # Layer kinds in no period, and the full layers' rope scaled (Gemma 3 4B and up).
+    "gemma3": dict(num_hidden_layers=4, sliding_window=WINDOW, layer_types=GEMMA3_TYPES,
+                   rope_parameters={
+                       "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+
+
+def tiny_gemma(kind: str, out_dir: str) -> str:
+    # Larger weights than transformers' default init: the caps and windows move the logits.
+    return save_tiny_hf(kind, out_dir, initializer_range=0.2, **KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gemma_logits_match_transformers(kind: str, tmp_path) -> None:
+    model_dir = tiny_gemma(kind, str(tmp_path))
+    arch, params = load_checkpoint(model_dir, np.float32)
+    assert arch.gemma == int(kind[-1]) and arch.local_layers is not None
+    if kind == "gemma3":
+        assert arch.local_rope_theta == 1e4 and arch.rope_scaling.rope_type == "linear"
+        assert arch.qk_norm and arch.final_logit_softcap is None
+    else:
+        assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    model = LlamaForCausalLM(arch)
+    for ids in PROMPTS:
+        ours, ref = prompt_logits(model, params, ids), hf_logits(model_dir, ids)
+        assert np.abs(ours - ref).max() <= 1e-4, kind
+    # The windows matter: every layer full gives other logits past the window.
+    full = LlamaForCausalLM(dataclasses.replace(arch, layer_types=None, sliding_window=None))
+    assert np.abs(prompt_logits(full, params, PROMPTS[-1]) - ref).max() > 1e-2
+
+
+def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> None:
+    """Chunked prefill (8-token steps) over a 50-token prompt with a window of 8, the
+    platform's attention kernel, and decoding past it: transformers' greedy tokens."""
+    import torch
+    import transformers
+
+    from jaxserve import LLM, SamplingParams
+
+    model_dir = tiny_gemma("gemma3", str(tmp_path))
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4,
+              max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=4 << 20,
+              enforce_eager=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for p, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16,
+                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == want

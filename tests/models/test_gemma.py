@@ -12,7 +12,7 @@ import pytest
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.tiny import hf_logits, save_tiny_hf
+from tests.models.tiny import hf_logits, on_fake_devices, save_tiny_hf
 
 PROMPTS = [list(range(10, 60)), [3], [(5 * i) % 120 + 1 for i in range(23)]]
 WINDOW = 8  # every prompt but one is longer: local layers see only the last 8 keys
@@ -51,12 +51,19 @@ def test_gemma_logits_match_transformers(kind: str, tmp_path) -> None:
     assert np.abs(prompt_logits(full, params, PROMPTS[-1]) - ref).max() > 1e-2
 
 
-def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> None:
-    """Chunked prefill (8-token steps) over a 50-token prompt with a window of 8, the
-    platform's attention kernel, and decoding past it: transformers' greedy tokens."""
+def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     import torch
     import transformers
 
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> None:
+    """Chunked prefill (8-token steps) over a 50-token prompt with a window of 8, the
+    platform's attention kernel, and decoding past it: transformers' greedy tokens."""
     from jaxserve import LLM, SamplingParams
 
     model_dir = tiny_gemma("gemma3", str(tmp_path))
@@ -65,9 +72,12 @@ def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> No
               enforce_eager=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for p, o in zip(PROMPTS, outs):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16,
-                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        assert o.outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, PROMPTS, 16)
+
+
+@pytest.mark.slow
+def test_gemma2_under_tensor_parallelism_on_fake_devices(tmp_path) -> None:
+    """Heads split over 2 devices, each layer's branch under shard_map: the same tokens."""
+    model_dir = tiny_gemma("gemma2", str(tmp_path))
+    res = on_fake_devices(model_dir, [[2, False]], PROMPTS)
+    assert res["tp2-ep0"]["tokens"] == hf_greedy(model_dir, PROMPTS, 16)

@@ -5,10 +5,6 @@ prefill, preemption) and under tensor and expert parallelism on fake CPU devices
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,9 +12,8 @@ import pytest
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.tiny import hf_logits, save_tiny_hf
+from tests.models.tiny import hf_logits, on_fake_devices, save_tiny_hf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [list(range(10, 60)), [3], [(5 * i) % 120 + 1 for i in range(23)]]
 # Larger weights than transformers' default init: routing and experts move the logits.
 KINDS = {
@@ -77,13 +72,7 @@ def test_moe_through_the_engine_with_chunks_and_preemption(name: str, tmp_path) 
 @pytest.mark.slow
 def test_tensor_and_expert_parallel_on_fake_devices(tmp_path) -> None:
     model_dir = tiny_moe("qwen3_moe", str(tmp_path))
-    configs = [[1, False], [2, False], [2, True], [4, True]]
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.moe_worker", model_dir, json.dumps(configs),
-         json.dumps(PROMPTS)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    res = json.loads(next(line for line in out.stdout.splitlines()
-                          if line.startswith("RESULTS ")).removeprefix("RESULTS "))
+    res = on_fake_devices(model_dir, [[1, False], [2, False], [2, True], [4, True]], PROMPTS)
     want = hf_greedy(model_dir, PROMPTS, 16)
     for key, r in res.items():
         assert r["tokens"] == want, key

@@ -75,3 +75,20 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def on_fake_devices(model_dir: str, configs: list[list], prompts: list[list[int]]) -> dict:
+    """tests/parallel/tiny_model_worker.py's results for `configs` ([tp, expert_parallel]
+    each), in a subprocess with 4 fake CPU devices."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.parallel.tiny_model_worker", model_dir,
+         json.dumps(configs), json.dumps(prompts)], cwd=root, capture_output=True, text=True,
+        timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))

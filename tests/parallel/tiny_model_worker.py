@@ -1,8 +1,9 @@
-"""Greedy tokens of a mixture-of-experts checkpoint under tensor and expert parallelism on
-fake CPU devices, and each device's share of the expert weights, printed as JSON.
+"""Greedy tokens of a tiny checkpoint under tensor (and, for a mixture of experts, expert)
+parallelism on fake CPU devices, and each device's share of the expert weights, as JSON.
 
-Used by tests/models/test_moe.py in a subprocess (XLA_FLAGS must be set before JAX starts):
-    python -m tests.parallel.moe_worker MODEL_DIR '[[tp, expert_parallel], ...]' PROMPTS_JSON
+Used by tests/models/test_moe.py and test_gemma.py in a subprocess (XLA_FLAGS must be set
+before JAX starts):
+    python -m tests.parallel.tiny_model_worker MODEL_DIR '[[tp, expert_parallel], ...]' PROMPTS_JSON
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ def main() -> None:
                   enforce_eager=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         mlp = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]
-        experts = [mlp[n] for n in ("w_gate", "w_up", "w_down")]
-        results[f"tp{tp}-ep{int(ep)}"] = {
-            "tokens": [o.outputs[0].token_ids for o in outs],
-            "expert_bytes_per_device": sum(a.addressable_shards[0].data.nbytes for a in experts),
-            "expert_bytes": sum(a.nbytes for a in experts),
-            "w_gate_spec": str(mlp["w_gate"].sharding.spec),
-        }
+        r = results[f"tp{tp}-ep{int(ep)}"] = {"tokens": [o.outputs[0].token_ids for o in outs]}
+        if "w_gate" in mlp:  # a mixture of experts
+            experts = [mlp[n] for n in ("w_gate", "w_up", "w_down")]
+            r["expert_bytes_per_device"] = sum(a.addressable_shards[0].data.nbytes for a in experts)
+            r["expert_bytes"] = sum(a.nbytes for a in experts)
+            r["w_gate_spec"] = str(mlp["w_gate"].sharding.spec)
     print("RESULTS " + json.dumps(results))
 
 

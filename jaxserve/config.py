@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from jaxserve.pooling_params import POOLING_TYPES, PoolingParams
+from jaxserve.pooling_params import PoolingParams
 
 
 class SchedulingPolicy(enum.Enum):
@@ -288,11 +288,10 @@ class PoolerConfig:
     normalize: bool = True
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooler_config.pooling_type must be one of "
-                             f"{', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"pooler_config.normalize must be a bool, got {self.normalize!r}")
+        try:  # PoolingParams' own checks, in this config's words
+            self.pooling_params()
+        except ValueError as e:
+            raise ValueError(f"pooler_config.{e}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> PoolerConfig:

@@ -23,6 +23,27 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.quantization import INT8_LAYERS, dequantize_int8, num_groups
+
+# An expert stack: float [E, in, out], or int8 (qweight [E, out, in], scale [E, out, groups]).
+Experts = jax.Array | tuple[jax.Array, jax.Array]
+
+
+def _num_experts(w: Experts) -> int:
+    return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
+def _one_expert(w: Experts, e: jax.Array, dtype: Any) -> jax.Array:
+    """Expert e's float [in, out] matrix (int8: dequantized, only this one)."""
+    if not isinstance(w, tuple):
+        return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+    q, s = (jax.lax.dynamic_index_in_dim(a, e, keepdims=False) for a in w)
+    return dequantize_int8(q, s.astype(dtype)).T
+
+
+def _float_stack(w: Experts, dtype: Any) -> jax.Array:
+    return w if not isinstance(w, tuple) else jnp.swapaxes(
+        dequantize_int8(w[0], w[1].astype(dtype)), -1, -2)
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -44,14 +65,15 @@ def block_rows(num_rows: int, num_groups: int) -> int:
     return min(1 << (per_group.bit_length() - 1), 128)
 
 
-def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def blocked_grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array) -> jax.Array:
     """`ragged_dot` as blocks: rows [M, K] sorted by group, w [G, K, N], group_sizes [G]
     (sum <= M) -> [M, N] (rows past the groups: zeros). Each group's rows are padded to whole
     blocks of `block_rows` rows and a loop multiplies each used block by its group's matrix,
     read in place: the work is the routed rows' (at most about twice), not every group's
     times every row (XLA's CPU ragged_dot), and no gathered copy of the weights is made."""
     M, K = xs.shape
-    G, _, N = w.shape
+    G = _num_experts(w)
+    N = (w[0].shape[1] if isinstance(w, tuple) else w.shape[2])
     B = block_rows(M, G)
     P = -(-(M + min(G, M) * (B - 1)) // B) * B  # every padded row, at most
     padded = (group_sizes + B - 1) // B * B
@@ -69,7 +91,7 @@ def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array) 
 
     def one_block(b: jax.Array, out: jax.Array) -> jax.Array:
         x_b = jax.lax.dynamic_index_in_dim(blocks, b, keepdims=False)
-        w_b = jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False)
+        w_b = _one_expert(w, block_group[b], xs.dtype)
         return jax.lax.dynamic_update_index_in_dim(out, (x_b @ w_b)[None], b, 0)
 
     used = (jnp.sum(padded) + B - 1) // B
@@ -78,23 +100,24 @@ def blocked_grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array) 
     return jnp.where(real[:, None], out, 0)
 
 
-def grouped_matmul(xs: jax.Array, w: jax.Array, group_sizes: jax.Array, platform: str
+def grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array, platform: str
                    ) -> jax.Array:
-    """Rows sorted by group times their group's matrix: XLA's ragged_dot on accelerators,
-    blocks on the CPU (whose ragged_dot multiplies every row by every group)."""
+    """Rows sorted by group times their group's matrix: XLA's ragged_dot on accelerators
+    (int8 experts dequantized first, the layer's stack), blocks on the CPU (whose ragged_dot
+    multiplies every row by every group; int8 dequantized one block's expert at a time)."""
     if platform == "cpu":
         return blocked_grouped_matmul(xs, w, group_sizes)
-    return jax.lax.ragged_dot(xs, w, group_sizes)
+    return jax.lax.ragged_dot(xs, _float_stack(w, xs.dtype), group_sizes)
 
 
-def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array, first_expert: jax.Array | int = 0,
+def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Experts,
+                w_up: Experts, w_down: Experts, first_expert: jax.Array | int = 0,
                 platform: str = "cpu") -> jax.Array:
     """[T, H]: the routed experts' SwiGLU outputs summed per token, for the experts this
     device holds (`w_*` [E_local, ...], experts first_expert..+E_local); pairs routed
     elsewhere contribute nothing."""
     T, k = experts.shape
-    E = w_gate.shape[0]
+    E = _num_experts(w_gate)
     local = experts.reshape(-1) - first_expert  # [T*k]
     mine = (local >= 0) & (local < E)
     # Pairs of this device's experts first, by expert; the others last (out of every group).
@@ -123,9 +146,15 @@ class MoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
-        w_gate = self.param("w_gate", init, (E, H, I), opts.dtype)
-        w_up = self.param("w_up", init, (E, H, I), opts.dtype)
-        w_down = self.param("w_down", init, (E, I, H), opts.dtype)
+        if opts.quantization == "int8":
+            L = cfg.num_hidden_layers
+            w_gate, w_up, w_down = (Int8Experts(L, E, n_out, n_in, name=name)(layer)
+                                    for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
+                                                              ("w_down", H, I)))
+        else:
+            w_gate = self.param("w_gate", init, (E, H, I), opts.dtype)
+            w_up = self.param("w_up", init, (E, H, I), opts.dtype)
+            w_down = self.param("w_down", init, (E, I, H), opts.dtype)
         weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         if opts.mesh is None:
             return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
@@ -134,11 +163,19 @@ class MoE(nn.Module):
             raise ValueError(f"{'num_experts' if ep else 'moe_intermediate_size'} "
                              f"({E if ep else I}) must be a multiple of the tensor-parallel "
                              f"size ({tp}){' with expert parallelism' if ep else ''}")
-        up_spec = PartitionSpec("model", None, None) if ep else PartitionSpec(None, None, "model")
-        down_spec = PartitionSpec("model", None, None) if ep else PartitionSpec(None, "model", None)
+        # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
+        # [E, H, I] (and their scales alike).
+        int8 = opts.quantization == "int8"
+        spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
+            lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
+        up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
+        if int8:  # down's scales: one per input group, whole when tp does not divide them
+            whole = not ep and num_groups(I) % tp
+            up_spec = (up_spec, up_spec)
+            down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
 
         def local(x, weights, experts, w_gate, w_up, w_down):
-            first = jax.lax.axis_index("model") * w_gate.shape[0] if ep else 0
+            first = jax.lax.axis_index("model") * _num_experts(w_gate) if ep else 0
             out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform)
             return jax.lax.psum(out, "model")
 
@@ -147,3 +184,22 @@ class MoE(nn.Module):
                              in_specs=(rep, rep, rep, up_spec, up_spec, down_spec),
                              out_specs=rep, check_vma=False)(x, weights, experts, w_gate, w_up,
                                                              w_down)
+
+
+class Int8Experts(nn.Module):
+    """One expert stack in int8 (models/quantization.py's layout, per expert): the whole
+    [num_layers, E, out, in] in the INT8_LAYERS collection, this layer's returned."""
+
+    num_layers: int
+    num_experts: int
+    out_features: int
+    in_features: int
+
+    @nn.compact
+    def __call__(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        shape = (self.num_layers, self.num_experts, self.out_features, self.in_features)
+        q = self.variable(INT8_LAYERS, "qweight", jnp.zeros, shape, jnp.int8).value
+        s = self.variable(INT8_LAYERS, "scale", jnp.ones,
+                          (*shape[:3], num_groups(self.in_features)), jnp.float32).value
+        return (jax.lax.dynamic_index_in_dim(q, layer, keepdims=False),
+                jax.lax.dynamic_index_in_dim(s, layer, keepdims=False))

@@ -72,6 +72,10 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
         # Every Dense "kernel" [..., in, out] (layer projections, a separate LM head) and
         # the embedding [vocab, hidden] become qweight / scale; other leaves stay.
         node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
+        for k in ("w_gate", "w_up", "w_down"):  # a mixture of experts' stacks [.., in, out]
+            if k in node and not isinstance(node[k], dict):
+                qweight, scale = quantize_int8(node[k], in_axis=-2)
+                node[k] = {"qweight": qweight, "scale": scale}
         if "kernel" in node:
             qweight, scale = quantize_int8(node.pop("kernel"), in_axis=-2)
             node.update(qweight=qweight, scale=scale)

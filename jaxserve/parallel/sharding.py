@@ -72,6 +72,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "mlp", "w_gate"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "mlp", "w_up"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "mlp", "w_down"): ("layers", "experts", "expert_mlp", "embed"),
+    # int8 experts: [out, in] per expert, scales split as their weights
+    **{("layers", "mlp", w, leaf): ("layers", "experts", *axes)
+       for w, axes in (("w_gate", ("expert_mlp", "embed")), ("w_up", ("expert_mlp", "embed")),
+                       ("w_down", ("embed", "expert_mlp")))
+       for leaf in ("qweight", "scale")},
 }
 
 def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:

@@ -3,7 +3,7 @@ parallelism on fake CPU devices, and each device's share of the expert weights, 
 
 Used by tests/models/test_moe.py and test_gemma.py in a subprocess (XLA_FLAGS must be set
 before JAX starts):
-    python -m tests.parallel.tiny_model_worker MODEL_DIR '[[tp, expert_parallel], ...]' PROMPTS_JSON
+    python -m tests.parallel.tiny_model_worker MODEL_DIR '[[tp, ep(, "int8")], ...]' PROMPTS_JSON
 """
 
 from __future__ import annotations
@@ -17,24 +17,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main() -> None:
+    import jax
+
     from jaxserve import LLM, SamplingParams
 
     model, configs, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
-    for tp, ep in configs:
+    for tp, ep, *quant in configs:
         llm = LLM(model, skip_tokenizer_init=True, tensor_parallel_size=tp,
+                  quantization=quant[0] if quant else None,
                   enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=16, block_size=4, kv_cache_memory_bytes=4 << 20,
                   enforce_eager=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         mlp = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]
-        r = results[f"tp{tp}-ep{int(ep)}"] = {"tokens": [o.outputs[0].token_ids for o in outs]}
+        key = f"tp{tp}-ep{int(ep)}" + (f"-{quant[0]}" if quant else "")
+        r = results[key] = {"tokens": [o.outputs[0].token_ids for o in outs]}
         if "w_gate" in mlp:  # a mixture of experts
-            experts = [mlp[n] for n in ("w_gate", "w_up", "w_down")]
+            experts = jax.tree.leaves([mlp[n] for n in ("w_gate", "w_up", "w_down")])
             r["expert_bytes_per_device"] = sum(a.addressable_shards[0].data.nbytes for a in experts)
             r["expert_bytes"] = sum(a.nbytes for a in experts)
-            r["w_gate_spec"] = str(mlp["w_gate"].sharding.spec)
+            gate = mlp["w_gate"]["qweight"] if quant else mlp["w_gate"]
+            r["w_gate_spec"] = str(gate.sharding.spec)
     print("RESULTS " + json.dumps(results))
 
 

@@ -147,8 +147,6 @@ def build_params(
     dtype = np.dtype(dtype)
     L = cfg.num_hidden_layers
     get = _split_fused(cfg, get)
-    if quantization is not None and cfg.num_experts:
-        raise ValueError("int8 quantization of mixture-of-experts checkpoints is not supported")
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers
@@ -165,7 +163,14 @@ def build_params(
             stacked[i] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
-        layers["mlp"].update(_expert_params(cfg, get, dtype, source))
+        experts = _expert_params(cfg, get, dtype, source)
+        if quantization is not None:  # one stack at a time in float, then int8
+            from jaxserve.models.quantization import quantize_int8
+
+            for name, w in experts.items():
+                q, s = quantize_int8(w, in_axis=-2)
+                experts[name] = {"qweight": q, "scale": s}
+        layers["mlp"].update(experts)
     V, H = cfg.vocab_size, cfg.hidden_size
     if quantization is not None:
         embed = _fetch_int8(get, "model.embed_tokens.weight", (V, H), source)

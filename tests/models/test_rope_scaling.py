@@ -67,21 +67,31 @@ def _hf_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("name", ["dynamic", "longrope"])
-def test_length_dependent_ropes_through_the_engine(name: str, tmp_path) -> None:
-    """Generation that crosses the pretrained context (32): each step rotates its tokens for
-    the sequence's length then, as transformers' generate does; 8-token steps, and a
-    checkpoint without tokenizer files (skip_tokenizer_init)."""
+@pytest.mark.parametrize("name", ["dynamic", "longrope", "yarn", "phi4-mini"])
+def test_ropes_through_the_engine(name: str, tmp_path) -> None:
+    """Generation that crosses the pretrained context (32): for dynamic and longrope each
+    step rotates its tokens for the sequence's length then, as transformers' generate does;
+    8-token steps, and a checkpoint without tokenizer files (skip_tokenizer_init)."""
     from jaxserve import LLM, SamplingParams
 
-    rope = {**ROPES[name], "rope_theta": 10000.0}
-    max_pos = 128 if rope["rope_type"] == "longrope" else 32
-    model_dir = save_tiny_hf("llama", str(tmp_path), rope_scaling=rope, head_dim=16,
-                             max_position_embeddings=max_pos)
+    if name == "phi4-mini":  # Phi-3's fused weights, LongRoPE, partial rotary, a window
+        d = int(16 * 0.75) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(d)],
+                "long_factor": [1.0 + 2.0 * i for i in range(d)]}
+        model_dir = save_tiny_hf("phi3", str(tmp_path), head_dim=16, rope_scaling=rope,
+                                 partial_rotary_factor=0.75, max_position_embeddings=128,
+                                 original_max_position_embeddings=32, sliding_window=16,
+                                 tie_word_embeddings=False)
+    else:
+        rope = {**ROPES[name], "rope_theta": 10000.0}
+        max_pos = 128 if rope["rope_type"] == "longrope" else 32
+        model_dir = save_tiny_hf("llama", str(tmp_path), rope_scaling=rope, head_dim=16,
+                                 max_position_embeddings=max_pos)
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4,
               max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=4 << 20,
               enforce_eager=True)
-    prompts = [list(range(5, 25)), [3, 9, 27, 81, 50] * 5]  # 20 and 25 tokens
+    prompts = [list(range(5, 25)), [3, 9, 27, 81, 50] * 5, [7]]  # 20, 25 and 1 tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     for p, o in zip(prompts, outs):

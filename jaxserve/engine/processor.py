@@ -81,9 +81,10 @@ class Processor:
         if dimensions is not None:
             raise InvalidInputError("dimensions is not supported: the served model does not "
                                     "support Matryoshka representations", "dimensions")
-        if normalize is not None and not isinstance(normalize, bool):
-            raise InvalidInputError(f"normalize must be a bool, got {normalize!r}", "normalize")
-        return self.pooler_config.pooling_params(normalize)
+        try:  # PoolingParams' own checks (normalize a bool)
+            return self.pooler_config.pooling_params(normalize)
+        except ValueError as e:
+            raise InvalidInputError(str(e), "normalize") from None
 
     def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
         """(kind, spec) once its grammar compiles; refused naming `param` if it does not

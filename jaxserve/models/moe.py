@@ -3,7 +3,7 @@ SwiGLU as one grouped matmul over the tokens sorted by expert (`jax.lax.ragged_d
 
     router   logits = x @ gate [T, E] -> softmax -> top-k (renormalized if norm_topk_prob)
     dispatch the T*k (token, expert) pairs sorted by expert; group_sizes[e] = pairs of e
-    experts  down(silu(x W_gate[e]) * x W_up[e]) for every pair, as two ragged matmuls
+    experts  down(silu(x W_gate[e]) * x W_up[e]) for every pair, as three grouped matmuls
     combine  each pair's output times its routing weight, added back to its token
 
 Under a mesh the layer runs under `shard_map` on the "model" axis with every token on every

@@ -148,8 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     if num_processes > 1 and config.parallel_config.data_parallel_size > 1:
         parser.error("--data-parallel-size with multi-host (JAX_NUM_PROCESSES > 1) is not supported")
     if args.skip_tokenizer_init:
-        parser.error("--skip-tokenizer-init is offline-only for now (LLM(..., "
-                     "skip_tokenizer_init=True)): the server needs the model's tokenizer")
+        given = [flag for flag, value in (("--tokenizer", args.tokenizer),
+                                          ("--chat-template", args.chat_template),
+                                          ("--tool-call-parser", args.tool_call_parser),
+                                          ("--reasoning-parser", args.reasoning_parser))
+                 if value is not None]
+        if given:
+            parser.error(f"--skip-tokenizer-init serves token ids only: {', '.join(given)} "
+                         "needs a tokenizer")
     if process_id != 0:
         sys.exit(follow(config, process_id, num_processes))
     if args.chat_template is not None:

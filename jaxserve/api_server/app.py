@@ -141,7 +141,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         else:
             text = body.prompt or ""
             add_special = body.add_special_tokens is not False
-        tokens = await ctx.tokenize(text, add_special_tokens=add_special)
+        tokens = await ctx.tokenize(text, "messages" if body.messages is not None else "prompt",
+                                    add_special_tokens=add_special)
         strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
                                 token_strs=strs)
@@ -151,6 +152,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         ctx.check_model(body.model)
         if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= ctx.vocab_size):
             raise OpenAIError(f"tokens must be in [0, {ctx.vocab_size})", param="tokens")
+        ctx.need_tokenizer("tokens")
         return DetokenizeResponse(prompt=await ctx.off_loop(ctx.tokenizer.decode, body.tokens))
 
     @app.get("/health")

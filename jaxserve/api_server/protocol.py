@@ -176,6 +176,8 @@ class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # vLLM's: the prompt's and the output's token ids beside the text (completions and chat).
+    return_token_ids: bool | None = None
 
 
 # --- completions ----------------------------------------------------------------------
@@ -216,6 +218,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the output's (a stream: new ones)
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream: first chunk)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -350,6 +354,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -360,6 +365,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None  # vLLM's
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaModel(OpenAIBaseModel):
@@ -399,6 +405,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the new ones
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -408,3 +415,4 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the first chunk

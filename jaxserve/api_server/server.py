@@ -41,7 +41,8 @@ ENGINE_DEAD_GRACE_S = 2.0
 async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve until interrupted; returns the process exit status."""
     files = resolve_model(config.model_config.model)
-    tokenizer = load_tokenizer(files if args.tokenizer is None else args.tokenizer)
+    tokenizer = (None if config.model_config.skip_tokenizer_init
+                 else load_tokenizer(files if args.tokenizer is None else args.tokenizer))
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template  # the template's text (serve.main read it)
     defaults = ({} if args.generation_config == "vllm" else generation_defaults(
@@ -49,7 +50,9 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s "
                     "(--generation-config vllm to ignore them)", defaults)
-    eos = None if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
+    # Without a tokenizer the model's EOS ids (config.json, generation_config.json) still
+    # stop generation: ServingContext adds them as stop tokens.
+    eos = None if tokenizer is None or tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
     exporter = None

@@ -122,7 +122,7 @@ class ServingContext:
     """Everything the endpoints need to know about the served model."""
 
     client: EngineClient | DPEngineClient
-    tokenizer: Any
+    tokenizer: Any  # None: --skip-tokenizer-init (token-id prompts only, no text out)
     served_model_names: list[str]
     max_model_len: int
     vocab_size: int
@@ -151,10 +151,12 @@ class ServingContext:
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
-            self.max_token_chars = longest_token_chars(self.tokenizer)
+            self.max_token_chars = (1 if self.tokenizer is None
+                                    else longest_token_chars(self.tokenizer))
         self.processor = Processor(self.max_model_len, self.vocab_size,
                                    self.model_eos_token_ids, self.max_logprobs,
-                                   encode=self._encode_plain, pooler_config=self.pooler_config)
+                                   encode=None if self.tokenizer is None else self._encode_plain,
+                                   pooler_config=self.pooler_config)
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -178,9 +180,20 @@ class ServingContext:
                 f"{param} has {len(text):,} characters: more than max_model_len "
                 f"({self.max_model_len}) tokens can hold", param=param)
 
+    def need_tokenizer(self, param: str) -> None:
+        """Refuse, naming `param`, what needs text when the server has no tokenizer."""
+        if self.tokenizer is None:
+            raise OpenAIError(f"{param} needs the model's tokenizer, and the server was started "
+                              "with --skip-tokenizer-init: send token ids", param=param)
+
     async def tokenize(self, text: str, param: str = "prompt", **kwargs: Any) -> list[int]:
+        self.need_tokenizer(param)
         self.check_text_size(text, param)
         return (await self.off_loop(self.tokenizer, text, **kwargs)).input_ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`; "" without a tokenizer (vLLM's skip_tokenizer_init)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     def start_trace(self, request_id: str, received: float,
                     spans: list[tuple[str, float, float]]) -> RequestTrace | None:
@@ -240,6 +253,7 @@ class ServingContext:
     async def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
         """(kind, spec) once its grammar compiles (off the event loop); a 400 naming `param`
         if it does not."""
+        self.need_tokenizer(param)  # a grammar is matched against the tokens' texts
         try:
             return await self.off_loop(self.processor.check_grammar, kind, spec, param)
         except InvalidInputError as e:
@@ -249,6 +263,8 @@ class ServingContext:
                         logprobs: int | None, prompt_logprobs: int | None = None,
                         structured_outputs: tuple[str, str] | None = None) -> SamplingParams:
         """SamplingParams from the request's fields; a bad value is a 400 naming the field."""
+        if request.stop:
+            self.need_tokenizer("stop")  # stop strings are matched in the detokenized text
         logit_bias = {}
         for key, value in (request.logit_bias or {}).items():
             # OpenAI's JSON keys are token ids as strings.
@@ -284,6 +300,7 @@ class ServingContext:
         `tools`, rendered off the event loop. A template sent with the request is refused
         unless the server trusts them (vLLM's --trust-request-chat-template): its cost is
         unbounded."""
+        self.need_tokenizer("messages")
         conversation = [template_message(m, _text_content(m.content)) for m in messages]
         if not conversation:
             raise OpenAIError("messages must not be empty", param="messages")

@@ -122,14 +122,16 @@ class OpenAIServingChat:
             parser = parsers[out.index]
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=response_message(parser, out.text), logprobs=lps,
-                finish_reason=parser.finish_reason(out.finish_reason), stop_reason=out.stop_reason))
+                finish_reason=parser.finish_reason(out.finish_reason), stop_reason=out.stop_reason,
+                token_ids=list(out.token_ids) if request.return_token_ids else None))
         num_prompt = len(res.prompt_token_ids or [])
         num_generated = sum(len(o.token_ids) for o in res.outputs)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                             total_tokens=num_prompt + num_generated),
-            prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res))
+            prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
+            prompt_token_ids=list(res.prompt_token_ids or []) if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None],
@@ -138,9 +140,11 @@ class OpenAIServingChat:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
+        def chunk(choices: list[ChatCompletionResponseStreamChoice],
+                  prompt_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices,
+                prompt_token_ids=prompt_ids,
             ).model_dump_json(exclude=exclude))
 
         sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
@@ -149,7 +153,8 @@ class OpenAIServingChat:
         try:
             # OpenAI's first chunk of each choice carries the role only.
             yield chunk([ChatCompletionResponseStreamChoice(
-                index=k, delta=DeltaMessage(role="assistant", content="")) for k in range(n)])
+                index=k, delta=DeltaMessage(role="assistant", content="")) for k in range(n)],
+                prompt_token_ids if request.return_token_ids else None)
             async with aclosing(gen) as results:
                 async for res in results:
                     choices = []
@@ -162,9 +167,9 @@ class OpenAIServingChat:
                         delta = parsers[k].delta(out.text[:end], finished)
                         new_tokens = out.token_ids[sent_tokens[k]:]
                         # Tokens that add no visible text (held back, or a tool call's
-                        # unsettled start) are sent only when their logprobs are asked for.
+                        # unsettled start) are sent only when their logprobs or ids are asked for.
                         if not (delta.content or delta.reasoning or delta.tool_calls or finished
-                                or (request.logprobs and new_tokens)):
+                                or ((request.logprobs or request.return_token_ids) and new_tokens)):
                             continue
                         lps = None
                         if request.logprobs and out.logprobs is not None:
@@ -174,7 +179,8 @@ class OpenAIServingChat:
                         choices.append(ChatCompletionResponseStreamChoice(
                             index=k, delta=delta_message(delta), logprobs=lps,
                             finish_reason=parsers[k].finish_reason(out.finish_reason),
-                            stop_reason=out.stop_reason))
+                            stop_reason=out.stop_reason,
+                            token_ids=list(new_tokens) if request.return_token_ids else None))
                         if finished and (event := sse_finish_error(out)) is not None:
                             errors.append(event)
                     if choices:

@@ -107,7 +107,7 @@ class OpenAIServingCompletion:
 
     def _prompt_text(self, prompts: list[tuple[str | None, list[int]]], i: int) -> str:
         text, ids = prompts[i]
-        return text if text is not None else self.ctx.tokenizer.decode(ids)
+        return text if text is not None else self.ctx.decode(ids)
 
     def _full_response(self, request: CompletionRequest, request_id: str, created: int,
                        prompts: list[tuple[str | None, list[int]]],
@@ -125,7 +125,8 @@ class OpenAIServingCompletion:
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=lps,
                     prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    **self._token_ids(request, prompts, i, out.token_ids, True)))
                 num_generated += len(out.token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
         return CompletionResponse(
@@ -205,7 +206,17 @@ class OpenAIServingCompletion:
         return CompletionResponseChoice(index=i * request.n + k, text=text, logprobs=lps,
                                         prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res)
                                         if first else None,
-                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                        **self._token_ids(request, prompts, i, new_tokens, first))
+
+    @staticmethod
+    def _token_ids(request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
+                   i: int, token_ids: list[int], first: bool) -> dict[str, list[int] | None]:
+        """vLLM's return_token_ids: the output's ids (a stream: the new ones), and the
+        prompt's in the first chunk."""
+        if not request.return_token_ids:
+            return {}
+        return dict(token_ids=list(token_ids), prompt_token_ids=list(prompts[i][1]) if first else None)
 
     def _logprobs(self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]],
                   i: int, res: RequestOutput, token_ids: list[int],
@@ -218,7 +229,7 @@ class OpenAIServingCompletion:
         plps = res.prompt_logprobs or [None] * len(ids)
         result = CompletionLogProbs()
         for tid, entry in zip(ids, plps):
-            token = self.ctx.tokenizer.decode([tid])
+            token = self.ctx.decode([tid])
             result.tokens.append(token)
             result.text_offset.append(text_offset)
             if entry is None:

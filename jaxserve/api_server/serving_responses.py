@@ -48,6 +48,9 @@ class OpenAIServingResponses:
         """Translate, run the chat path, translate back; raises OpenAIError for a bad request."""
         if request.n != 1:
             raise OpenAIError("a response has one output: n must be 1", param="n")
+        if request.return_token_ids:
+            raise OpenAIError("return_token_ids is for completions and chat completions",
+                              param="return_token_ids")
         # The conversation is what the store keeps; instructions apply to this request only
         # (a previous response's are not carried over, as in OpenAI's API).
         conversation = [*self._history(request.previous_response_id),

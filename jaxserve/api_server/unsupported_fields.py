@@ -16,7 +16,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
     "structural_tag": None,

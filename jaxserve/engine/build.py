@@ -74,7 +74,8 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
     # Grammars must see the same tokens as the API server's tokenizer (--tokenizer).
     tokenizer = config.model_config.tokenizer or config.model_config.model
     structured = StructuredOutputManager(
-        lambda: load_tokenizer(tokenizer), worker.arch.vocab_size,
+        None if config.model_config.skip_tokenizer_init else (lambda: load_tokenizer(tokenizer)),
+        worker.arch.vocab_size,
         config.structured_outputs_config.disable_additional_properties)
     scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, eos_token_id,
                           structured, config.speculative_config)

@@ -118,7 +118,8 @@ class StructuredOutputManager:
         import llguidance
 
         if self._load_tokenizer is None:
-            raise InvalidRequestError("structured outputs are not available in this engine")
+            raise InvalidRequestError("structured outputs need the model's tokenizer (not "
+                                      "available in this engine: skip_tokenizer_init?)")
         kind, spec = request.sampling_params.structured_outputs
         if kind == "json" and self.disable_additional_properties:
             try:

@@ -141,7 +141,7 @@ def test_bad_tokenizer_generation_config_and_max_logprobs_are_usage_errors() -> 
                         (["--chat-template", "nope.jinja"], "--chat-template"),
                         (["--enable-auto-tool-choice"], "--tool-call-parser"),
                         (["--tool-call-parser", "nope"], "--tool-call-parser"),
-                        (["--skip-tokenizer-init"], "offline-only"),
+                        (["--skip-tokenizer-init", "--chat-template", "{{ 1 }}"], "needs a tokenizer"),
                         (["--speculative-config", "[1]"], "--speculative-config"),
                         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens")):
         out = _serve(*args)

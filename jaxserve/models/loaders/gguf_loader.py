@@ -1,10 +1,13 @@
 """Load a GGUF file (llama.cpp's format): metadata -> ArchConfig, tensors dequantized.
 
 Tensors are dequantized with the `gguf` package's vectorised NumPy code (F32,
-F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, Q4_K, Q5_K, Q6_K, ...). llama.cpp's converter
-permutes the rows of q/k projections of `llama` models so that its rotary
-kernel can rotate adjacent pairs; we rotate halves (Hugging Face layout), so
-the permutation is undone here.
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_*, Q4_K, Q5_K, Q6_K, ...). The metadata becomes the
+Hugging Face config it was converted from, so one parser (ArchConfig.from_hf_config) reads
+both; tensors are asked for by their HF names, which the `gguf` package's own name map turns
+into GGUF's. What llama.cpp's converter changed is undone here: it permutes the q/k rows of
+`llama` models so that its rotary kernel can rotate adjacent pairs (we rotate halves, the HF
+layout), stores Gemma's norms as 1 + w (its graph multiplies by the stored weight) and
+stacks each layer's experts into one [E, out, in] tensor.
 """
 
 from __future__ import annotations
@@ -20,46 +23,28 @@ from jaxserve.models.arch_config import ArchConfig, RopeScaling
 from jaxserve.models.rope import rope_inv_freq
 from jaxserve.models.loaders.weights import WeightLoadError, build_params
 
-# GGUF `general.architecture` -> (HF architecture, q/k rows permuted by llama.cpp)
-_GGUF_ARCHES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
-    "mistral": ("MistralForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
+# GGUF `general.architecture` -> the Hugging Face architecture it was converted from
+# ("llama" with experts is Mixtral, as llama.cpp's converter writes it).
+_GGUF_ARCHES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for tensors we do not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+_PERMUTED = ("llama", "mistral")  # llama.cpp permutes these archs' q/k rows
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores Gemma's norms as 1 + w
+# Gemma's 27B models scale queries by hidden/heads, not head_dim; llama.cpp knows them by
+# their layer count, as GGUF has no query_pre_attn_scalar.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# One expert's matrix in the stacked [E, out, in] GGUF tensors, by its HF name.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up",
+                "w2": "down", "down_proj": "down"}
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -94,34 +79,81 @@ def gguf_arch_config(reader: gguf.GGUFReader, path: str) -> tuple[ArchConfig, bo
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
             + ", ".join(sorted(_GGUF_ARCHES))
         )
-    hf_arch, permuted = _GGUF_ARCHES[arch]
+    cfg = ArchConfig.from_hf_config(gguf_hf_config(reader, arch))
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        cfg = _with_llama3_rope(cfg, reader, path)
+    return cfg, arch in _PERMUTED
+
+
+def gguf_hf_config(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """The Hugging Face config.json that llama.cpp's converter read, as far as GGUF keeps it
+    (what it drops is llama.cpp's fixed per-architecture rule, applied here the same way)."""
     names = {t.name for t in reader.tensors}
     get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(get("attention.key_length", hidden // heads))
+    layers = int(get("block_count"))
+    experts = int(get("expert_count", 0) or 0)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    cfg = ArchConfig(
-        architecture=hf_arch,
-        vocab_size=int(vocab),
+    cfg: dict[str, Any] = dict(
+        architectures=["MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCHES[arch]],
+        vocab_size=int(get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(get("feed_forward_length", 0)),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=None if eos is None else int(eos),
+        sliding_window=get("attention.sliding_window"),
     )
-    if "rope_freqs.weight" in names:
-        cfg = _with_llama3_rope(cfg, reader, path)
-    return cfg, permuted
+    rope_dim = get("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:  # Phi-4-mini: rope on part of a head
+        cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
+    orig = get("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in names:  # Phi-3's LongRoPE: per-frequency factors as tensors
+        cfg["rope_scaling"] = dict(
+            rope_type="longrope", original_max_position_embeddings=int(orig or cfg["max_position_embeddings"]),
+            long_factor=_tensor(reader, "rope_factors_long.weight").tolist(),
+            short_factor=_tensor(reader, "rope_factors_short.weight").tolist(),
+            attention_factor=get("rope.scaling.attn_factor"))
+    elif get("rope.scaling.type") in ("linear", "yarn"):
+        cfg["rope_scaling"] = dict(rope_type=get("rope.scaling.type"),
+                                   factor=float(get("rope.scaling.factor", 1.0)),
+                                   original_max_position_embeddings=orig)
+    if experts:
+        used, width = int(get("expert_used_count")), get("expert_feed_forward_length")
+        cfg.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=used,
+                   moe_intermediate_size=int(width or cfg["intermediate_size"]),
+                   # llama.cpp renormalizes Qwen3-MoE's top-k always, unless the key says so.
+                   norm_topk_prob=bool(get("expert_weights_norm", True)))
+        if arch == "llama":
+            cfg["intermediate_size"] = cfg["moe_intermediate_size"]
+    if arch in _NORMS_PLUS_ONE:
+        big, scale = layers == _GEMMA_27B_LAYERS[arch], get("attention.scale")
+        cfg.update(query_pre_attn_scalar=(hidden // heads if big else head_dim) if scale is None
+                   else 1.0 / float(scale) ** 2,
+                   attn_logit_softcapping=get("attn_logit_softcapping"),
+                   final_logit_softcapping=get("final_logit_softcapping"),
+                   rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)))
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: true = sliding
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif pattern is not None:
+            cfg["sliding_window_pattern"] = int(pattern)
+    return cfg
+
+
+def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
+    t = next(t for t in reader.tensors if t.name == name)
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
 
 
 def _with_llama3_rope(cfg: ArchConfig, reader: gguf.GGUFReader, path: str) -> ArchConfig:
@@ -129,8 +161,7 @@ def _with_llama3_rope(cfg: ArchConfig, reader: gguf.GGUFReader, path: str) -> Ar
     the parameters, so check that the default Llama-3 parameters reproduce them."""
     import dataclasses
 
-    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-    factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    factors = _tensor(reader, "rope_freqs.weight")
     scaled = dataclasses.replace(
         cfg,
         rope_scaling=RopeScaling(
@@ -155,26 +186,45 @@ def load_gguf(path: str, dtype: Any, quantization: str | None = None) -> tuple[A
     """
     reader = read_gguf(path)
     cfg, permuted = gguf_arch_config(reader, path)
-    tensors = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is not None:
-            tensors[name] = t
+    arch = _field(reader, "general.architecture")
+    # The gguf package's own HF -> GGUF tensor names for the arch (Mistral's are Llama's).
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH["LLAMA" if arch == "mistral" else arch.upper()],
+                                     cfg.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    stack: dict[str, np.ndarray] = {}  # the last expert stack read: each is read once
 
-    def get(name: str) -> np.ndarray | None:
-        t = tensors.get(name)
+    def dequantize(gguf_name: str) -> np.ndarray | None:
+        t = tensors.get(gguf_name)
         if t is None:
             return None
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            return gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise WeightLoadError(
                 f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be dequantized ({e})"
             ) from None
+
+    def get(name: str) -> np.ndarray | None:
+        if m := _EXPERT.fullmatch(name):
+            layer, expert, kind = m.group(1), int(m.group(2)), _EXPERT_KIND[m.group(3)]
+            stacked = f"blk.{layer}.ffn_{kind}_exps.weight"
+            if stacked not in tensors:  # older files: one tensor per expert
+                return dequantize(f"blk.{layer}.ffn_{kind}.{expert}.weight")
+            if stacked not in stack:
+                stack.clear()
+                stack[stacked] = dequantize(stacked)
+            w = stack[stacked]
+            return None if expert >= len(w) else np.ascontiguousarray(w[expert])
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        w = None if gguf_name is None else dequantize(gguf_name)
+        if w is None:
+            return None
         if permuted and name.endswith("q_proj.weight"):
             w = unpermute_qk(w, cfg.num_attention_heads)
         elif permuted and name.endswith("k_proj.weight"):
             w = unpermute_qk(w, cfg.num_key_value_heads)
+        elif arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - 1.0
         return w
 
     return cfg, build_params(cfg, get, dtype, path, quantization)

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="source (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="write no tokenizer (a checkpoint without one)")
     args = parser.parse_args(argv)
 
     from jaxserve.models.model_files import resolve_model
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[args.dtype]
     arch, params = load_checkpoint(files, np.dtype(dtype))
     save_orbax(args.output, arch, params)
-    load_tokenizer(files).save_pretrained(args.output)
+    if not args.skip_tokenizer_init:
+        load_tokenizer(files).save_pretrained(args.output)
     print(f"wrote {args.output} ({arch.architecture}, {arch.num_hidden_layers} layers) in {time.perf_counter() - t0:.1f} s")
 
 

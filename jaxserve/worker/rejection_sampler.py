@@ -30,6 +30,8 @@ from jaxserve.worker.sampler import (
     SamplerMode,
     SamplerOutput,
     SamplingMetadata,
+    first_argmax,
+    inverse_cdf_sample,
     processed_logits,
     scaled_logits,
     with_logprobs,
@@ -48,21 +50,22 @@ def rejection_sample(
 ) -> SamplerOutput:
     """One emitted-or-not token per row; `emitted` marks each request's accepted drafts
     and its final token, `final` the final token's row."""
-    raw_logprobs, logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    raw_logits = logits
+    logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
+    target = first_argmax(logits)
     accepted = draft_ids == target
     if mode is not SamplerMode.GREEDY:
         scaled = scaled_logits(logits, md, mode)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(md.seeds, md.positions)
-        plain = jax.vmap(jax.random.categorical)(keys, scaled)
+        plain = inverse_cdf_sample(scaled, jax.vmap(jax.random.uniform)(keys))
         has_draft = draft_ids >= 0
         probs = jax.nn.softmax(scaled, axis=-1)
         p_draft = jnp.take_along_axis(probs, jnp.maximum(draft_ids, 0)[:, None], axis=-1)[:, 0]
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
         vocab = jnp.arange(logits.shape[-1])[None, :]
         residual = jnp.where(vocab == draft_ids[:, None], -jnp.inf, scaled)
-        recovered = jax.vmap(lambda k, row: jax.random.categorical(jax.random.fold_in(k, 2), row))(
-            keys, residual)
+        recovered = inverse_cdf_sample(
+            residual, jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 2)))(keys))
         is_greedy = md.temperature <= 0.0
         target = jnp.where(is_greedy, target,
                            jnp.where(has_draft, recovered, plain).astype(jnp.int32))
@@ -74,4 +77,5 @@ def rejection_sample(
     emitted = rejected_before == rejected_before[group_first]
     final = emitted & ~accepted
     tokens = jnp.where(final, target, jnp.maximum(draft_ids, 0))
-    return dataclasses.replace(with_logprobs(raw_logprobs, tokens), emitted=emitted, final=final)
+    return dataclasses.replace(with_logprobs(raw_logits, tokens, md.logprobs), emitted=emitted,
+                               final=final)

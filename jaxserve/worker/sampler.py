@@ -1,6 +1,6 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
-    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
+    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N (if asked)
                 └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask
                     ─▶ allowed_token_ids and bad_words ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
@@ -8,7 +8,7 @@
                     ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
 
 Every parameter is a per-row array, so one compiled program serves any mix of
-requests. Random rows draw from `fold_in(key(seed), position)`, where position
+requests. Random rows draw (inverse CDF, one uniform each) from `fold_in(key(seed), position)`, where position
 is the index of the token being sampled in its sequence: the same seed gives
 the same tokens whatever else is in the batch and however the steps fall.
 
@@ -65,6 +65,9 @@ class SamplingMetadata:
     seeds: jax.Array  # u32
     positions: jax.Array  # i32; index of the sampled token in its sequence
     min_tokens_end: jax.Array  # i32; stop ids are masked while positions < this
+    # bool: the row reports logprobs. A step where no row does skips the log-softmax, the
+    # top-N and the ranks (a branch taken at run time: no program variant). None: every row.
+    logprobs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -104,11 +107,33 @@ def apply_penalties(
     output_counts: jax.Array,  # i32[R, V]: occurrences in the output so far
     md: SamplingMetadata,
 ) -> jax.Array:
-    seen = prompt_mask | (output_counts > 0)
-    rep = md.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - md.frequency_penalty[:, None] * output_counts
-    return logits - md.presence_penalty[:, None] * (output_counts > 0)
+    def penalize(logits: jax.Array) -> jax.Array:
+        seen = prompt_mask | (output_counts > 0)
+        rep = md.repetition_penalty[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - md.frequency_penalty[:, None] * output_counts
+        return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+    # Three passes over [R, V] that most steps (no row with a penalty) need not pay for.
+    active = jnp.any((md.repetition_penalty != 1.0) | (md.frequency_penalty != 0.0)
+                     | (md.presence_penalty != 0.0))
+    return jax.lax.cond(active, penalize, lambda x: x, logits)
+
+
+_ARGMAX_CHUNK = 512
+
+
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first of ties), in two levels: each chunk's max,
+    the first chunk holding the largest, then the first index in that chunk. XLA's CPU
+    argmax (a variadic reduce) is an order of magnitude slower over a vocabulary."""
+    R, vocab = logits.shape
+    pad = -vocab % _ARGMAX_CHUNK
+    chunks = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(
+        R, -1, _ARGMAX_CHUNK)
+    best = jnp.argmax(jnp.max(chunks, axis=-1), axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(chunks, best[:, None, None], axis=1)[:, 0], axis=-1)
+    return (best * _ARGMAX_CHUNK + within).astype(jnp.int32)
 
 
 def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
@@ -162,24 +187,49 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
 
 def random_sample(logits: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
-    """Gumbel-max sampling with one key per row."""
+    """One draw per row from softmax(logits), its key fold_in(key(seed), position)."""
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+    return inverse_cdf_sample(logits, jax.vmap(jax.random.uniform)(keys))
 
-    def one(logits_row: jax.Array, seed: jax.Array, pos: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.categorical(key, logits_row)
 
-    return jax.vmap(one)(logits, seeds, positions).astype(jnp.int32)
+def inverse_cdf_sample(logits: jax.Array, u: jax.Array) -> jax.Array:
+    """The token where the cumulative softmax(logits) of each row first exceeds u (one
+    uniform in [0, 1) per row), found in two levels: the chunk, then the token in it. One
+    random number per row instead of a Gumbel per token (the vocabulary's worth of random
+    bits cost more than the rest of the sampler on the CPU); a token of probability 0 (a
+    -inf logit) is never drawn."""
+    R, vocab = logits.shape
+    C = _ARGMAX_CHUNK
+    x = jnp.pad(logits, ((0, 0), (0, -vocab % C)), constant_values=-jnp.inf).reshape(R, -1, C)
+    p = jnp.exp(x - jnp.max(x, axis=(1, 2), keepdims=True))  # [R, n, C]
+    mass = p.sum(-1)  # [R, n]
+    cum = jnp.cumsum(mass, -1)
+    target = u * cum[:, -1]
+
+    def first_above(cum: jax.Array, t: jax.Array, mass: jax.Array) -> jax.Array:
+        """The first entry whose running sum exceeds t, kept on an entry with mass (t
+        rounding past either end of the sum)."""
+        n = cum.shape[-1]
+        i = jnp.sum(cum <= t[:, None], axis=-1)
+        lo = jnp.argmax(mass > 0, axis=-1)
+        hi = n - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
+        return jnp.clip(i, lo, hi)
+
+    chunk = first_above(cum, target, mass)
+    before = jnp.take_along_axis(cum - mass, chunk[:, None], axis=-1)[:, 0]
+    row = jnp.take_along_axis(p, chunk[:, None, None], axis=1)[:, 0]  # [R, C]
+    within = first_above(jnp.cumsum(row, -1), target - before, row)
+    return (chunk * C + within).astype(jnp.int32)
 
 
 def processed_logits(
     logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array, md: SamplingMetadata,
     processors: LogitsProcessors | None,
-) -> tuple[jax.Array, jax.Array]:
-    """(raw logprobs, logits after the processors and penalties: greedy takes their argmax)."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+) -> jax.Array:
+    """The logits after the processors and penalties (greedy takes their argmax)."""
     if processors is not None:
         logits = apply_logits_processors(logits, md, processors)
-    return raw_logprobs, apply_penalties(logits, prompt_mask, output_counts, md)
+    return apply_penalties(logits, prompt_mask, output_counts, md)
 
 
 def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode) -> jax.Array:
@@ -204,23 +254,41 @@ def sample(
 
     `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
     """
-    raw_logprobs, logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
-    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    raw_logits = logits
+    logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
+    sampled = first_argmax(logits)
     if mode is not SamplerMode.GREEDY:
         scaled = scaled_logits(logits, md, mode)
         sampled = jnp.where(md.temperature <= 0.0, sampled,
                             random_sample(scaled, md.seeds, md.positions))
-    return with_logprobs(raw_logprobs, sampled)
+    return with_logprobs(raw_logits, sampled, md.logprobs)
 
 
-def with_logprobs(raw_logprobs: jax.Array, sampled: jax.Array) -> SamplerOutput:
-    """The sampled tokens with their logprobs, the top-N and their ranks."""
-    top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
-    sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)
-    ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)
+def with_logprobs(raw_logits: jax.Array, sampled: jax.Array,
+                  wanted: jax.Array | None = None) -> SamplerOutput:
+    """The sampled tokens with their logprobs (of the raw model distribution), the top-N and
+    their ranks; zeros when no row is `wanted` (None: computed)."""
+
+    def report(raw_logits: jax.Array) -> tuple[jax.Array, ...]:
+        raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+        top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+        sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)
+        ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)
+        return top_vals, top_ids.astype(jnp.int32), sampled_lp, ranks
+
+    def nothing(raw_logits: jax.Array) -> tuple[jax.Array, ...]:
+        R = raw_logits.shape[0]
+        return (jnp.zeros((R, MAX_LOGPROBS), jnp.float32), jnp.zeros((R, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((R, 1), jnp.float32), jnp.ones((R,), jnp.int32))
+
+    if wanted is None:
+        top_vals, top_ids, sampled_lp, ranks = report(raw_logits)
+    else:
+        top_vals, top_ids, sampled_lp, ranks = jax.lax.cond(jnp.any(wanted), report, nothing,
+                                                            raw_logits)
     return SamplerOutput(
         sampled=sampled,
-        logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids.astype(jnp.int32)], axis=-1),
+        logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids], axis=-1),
         logprobs=jnp.concatenate([sampled_lp, top_vals], axis=-1),
         sampled_ranks=ranks,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,3 +214,66 @@ def test_banned_tokens_and_bad_words_against_a_reference(logits) -> None:
                        out.sampled, jnp.asarray([True] * 5 + [False]))
     assert np.asarray(rec)[1, -2:].tolist() == [11, int(out.sampled[1])]
     assert np.asarray(rec)[5].tolist() == list(np.stack(recent)[5])
+
+
+def test_first_argmax_is_argmax_with_ties_and_masked_rows() -> None:
+    from jaxserve.worker.sampler import first_argmax
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 4, size=(64, 300)).astype(np.float32)  # many ties
+    x[3] = -np.inf  # a fully masked row
+    x[7, 10:] = -np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))), x.argmax(-1))
+
+
+def test_logprobs_are_skipped_only_when_no_row_asks(logits) -> None:
+    """A step where no row wants logprobs samples the same tokens and reports none; one row
+    asking brings back every row's full report."""
+    args = (jnp.asarray(logits), jnp.zeros((R, V), bool), jnp.zeros((R, V), jnp.int32))
+    md = metadata(temperature=[0, 0, 0.8, 1.0, 0, 0.5], seeds=[3] * R)
+    full = jax.jit(sample)(*args, md)
+    none = jax.jit(sample)(*args, dataclasses.replace(md, logprobs=jnp.zeros(R, bool)))
+    one = jax.jit(sample)(*args, dataclasses.replace(md, logprobs=jnp.arange(R) == 4))
+    np.testing.assert_array_equal(none.sampled, full.sampled)
+    assert not np.asarray(none.logprobs).any()
+    for name in ("sampled", "logprob_token_ids", "logprobs", "sampled_ranks"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(full, name))
+
+
+def test_penalties_apply_when_one_row_has_one(logits) -> None:
+    """The penalty passes run only on steps with a penalty, and then on the rows that have it."""
+    counts = np.zeros((R, V), np.int32)
+    top = logits.argmax(-1)
+    counts[np.arange(R), top] = 3
+    args = (jnp.asarray(logits), jnp.zeros((R, V), bool), jnp.asarray(counts))
+    plain = jax.jit(sample)(*args, metadata(temperature=np.zeros(R)))
+    np.testing.assert_array_equal(plain.sampled, top)
+    pen = jax.jit(sample)(*args, metadata(temperature=np.zeros(R),
+                                          frequency_penalty=[0, 0, 100.0, 0, 0, 0]))
+    s = np.asarray(pen.sampled)
+    assert s[2] != top[2] and (np.delete(s, 2) == np.delete(top, 2)).all()
+
+
+def test_inverse_cdf_sample_follows_the_distribution_over_chunks() -> None:
+    """A vocabulary over several chunks (not a multiple of one), masked tokens and whole
+    masked chunks: the draws follow softmax, the ends of [0, 1) land on the first and last
+    tokens with mass, and a masked token is never drawn."""
+    from jaxserve.worker.sampler import inverse_cdf_sample
+
+    vocab, n = 1300, 20_000
+    rng = np.random.default_rng(9)
+    row = rng.normal(scale=2.0, size=vocab).astype(np.float32)
+    row[:3] = -np.inf
+    row[600:1100] = -np.inf  # a masked stretch: all of chunk 1 (512..1023) but its start
+    row[-1] = -np.inf
+    p = np.where(np.isfinite(row), np.exp(row - row[np.isfinite(row)].max()), 0.0)
+    p /= p.sum()
+    u = (np.arange(n) + 0.5) / n  # evenly spread: the draws are the quantiles
+    got = np.asarray(jax.jit(inverse_cdf_sample)(jnp.asarray(np.tile(row, (n, 1))),
+                                                   jnp.asarray(u, jnp.float32)))
+    assert np.isfinite(row[got]).all()
+    freq = np.bincount(got, minlength=vocab) / n
+    assert np.abs(freq - p).max() < 2e-3
+    ends = np.asarray(inverse_cdf_sample(jnp.asarray(np.tile(row, (2, 1))),
+                                         jnp.asarray([0.0, np.nextafter(1.0, 0.0)], jnp.float32)))
+    assert ends.tolist() == [3, vocab - 2]

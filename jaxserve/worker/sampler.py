@@ -1,6 +1,6 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
-    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N (if asked)
+    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N 
                 └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask
                     ─▶ allowed_token_ids and bad_words ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
@@ -65,8 +65,8 @@ class SamplingMetadata:
     seeds: jax.Array  # u32
     positions: jax.Array  # i32; index of the sampled token in its sequence
     min_tokens_end: jax.Array  # i32; stop ids are masked while positions < this
-    # bool: the row reports logprobs. A step where no row does skips the log-softmax, the
-    # top-N and the ranks (a branch taken at run time: no program variant). None: every row.
+    # bool: the row reports logprobs (None: every row). Not used to skip work yet: a
+    # run-time branch (lax.cond) makes the exported step data-dependent.
     logprobs: jax.Array | None = None
 
 
@@ -114,10 +114,7 @@ def apply_penalties(
         logits = logits - md.frequency_penalty[:, None] * output_counts
         return logits - md.presence_penalty[:, None] * (output_counts > 0)
 
-    # Three passes over [R, V] that most steps (no row with a penalty) need not pay for.
-    active = jnp.any((md.repetition_penalty != 1.0) | (md.frequency_penalty != 0.0)
-                     | (md.presence_penalty != 0.0))
-    return jax.lax.cond(active, penalize, lambda x: x, logits)
+    return penalize(logits)
 
 
 _ARGMAX_CHUNK = 512
@@ -267,7 +264,7 @@ def sample(
 def with_logprobs(raw_logits: jax.Array, sampled: jax.Array,
                   wanted: jax.Array | None = None) -> SamplerOutput:
     """The sampled tokens with their logprobs (of the raw model distribution), the top-N and
-    their ranks; zeros when no row is `wanted` (None: computed)."""
+    their ranks, for every row (`wanted` is not used to skip them yet)."""
 
     def report(raw_logits: jax.Array) -> tuple[jax.Array, ...]:
         raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
@@ -276,16 +273,8 @@ def with_logprobs(raw_logits: jax.Array, sampled: jax.Array,
         ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)
         return top_vals, top_ids.astype(jnp.int32), sampled_lp, ranks
 
-    def nothing(raw_logits: jax.Array) -> tuple[jax.Array, ...]:
-        R = raw_logits.shape[0]
-        return (jnp.zeros((R, MAX_LOGPROBS), jnp.float32), jnp.zeros((R, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((R, 1), jnp.float32), jnp.ones((R,), jnp.int32))
-
-    if wanted is None:
-        top_vals, top_ids, sampled_lp, ranks = report(raw_logits)
-    else:
-        top_vals, top_ids, sampled_lp, ranks = jax.lax.cond(jnp.any(wanted), report, nothing,
-                                                            raw_logits)
+    del wanted  # always computed: a data-dependent branch would break export (test_export_step)
+    top_vals, top_ids, sampled_lp, ranks = report(raw_logits)
     return SamplerOutput(
         sampled=sampled,
         logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids], axis=-1),

@@ -1,6 +1,6 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
-    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N 
+    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
                 └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask
                     ─▶ allowed_token_ids and bad_words ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
@@ -8,14 +8,18 @@
                     ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ random sample
 
 Every parameter is a per-row array, so one compiled program serves any mix of
-requests. Random rows draw (inverse CDF, one uniform each) from `fold_in(key(seed), position)`, where position
-is the index of the token being sampled in its sequence: the same seed gives
-the same tokens whatever else is in the batch and however the steps fall.
+requests. Random rows draw (inverse CDF, one uniform each) from
+`fold_in(key(seed), position)`, where position is the index of the token being
+sampled in its sequence: the same seed gives the same tokens whatever else is
+in the batch and however the steps fall.
 
 Which stages run is a static `SamplerMode` the host picks per step from the
 batch's parameters (as vLLM's `all_greedy` / `no_top_k` flags do), so the
 compiled program has no data-dependent branch: a greedy batch never pays for
 random draws, and only a batch with top-k / top-p / min-p pays for the sort.
+Logprobs are computed for every row of every step (a variant without them would
+double the sampler programs, and their compile time on TPUs); `top_logprobs`
+finds the top-N in two levels, so they cost little more than one log-sum-exp.
 """
 
 from __future__ import annotations
@@ -65,9 +69,6 @@ class SamplingMetadata:
     seeds: jax.Array  # u32
     positions: jax.Array  # i32; index of the sampled token in its sequence
     min_tokens_end: jax.Array  # i32; stop ids are masked while positions < this
-    # bool: the row reports logprobs (None: every row). Not used to skip work yet: a
-    # run-time branch (lax.cond) makes the exported step data-dependent.
-    logprobs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -107,17 +108,16 @@ def apply_penalties(
     output_counts: jax.Array,  # i32[R, V]: occurrences in the output so far
     md: SamplingMetadata,
 ) -> jax.Array:
-    def penalize(logits: jax.Array) -> jax.Array:
-        seen = prompt_mask | (output_counts > 0)
-        rep = md.repetition_penalty[:, None]
-        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        logits = logits - md.frequency_penalty[:, None] * output_counts
-        return logits - md.presence_penalty[:, None] * (output_counts > 0)
+    """Repetition penalty over prompt and output tokens; frequency and presence penalties
+    over the output (vLLM's and OpenAI's definitions)."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    return logits - md.presence_penalty[:, None] * (output_counts > 0)
 
-    return penalize(logits)
 
-
-_ARGMAX_CHUNK = 512
+_CHUNK = 512  # vocabulary entries per chunk of the two-level argmax and draws
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:
@@ -125,12 +125,12 @@ def first_argmax(logits: jax.Array) -> jax.Array:
     the first chunk holding the largest, then the first index in that chunk. XLA's CPU
     argmax (a variadic reduce) is an order of magnitude slower over a vocabulary."""
     R, vocab = logits.shape
-    pad = -vocab % _ARGMAX_CHUNK
+    pad = -vocab % _CHUNK
     chunks = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(
-        R, -1, _ARGMAX_CHUNK)
+        R, -1, _CHUNK)
     best = jnp.argmax(jnp.max(chunks, axis=-1), axis=-1)
     within = jnp.argmax(jnp.take_along_axis(chunks, best[:, None, None], axis=1)[:, 0], axis=-1)
-    return (best * _ARGMAX_CHUNK + within).astype(jnp.int32)
+    return (best * _CHUNK + within).astype(jnp.int32)
 
 
 def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
@@ -196,7 +196,7 @@ def inverse_cdf_sample(logits: jax.Array, u: jax.Array) -> jax.Array:
     bits cost more than the rest of the sampler on the CPU); a token of probability 0 (a
     -inf logit) is never drawn."""
     R, vocab = logits.shape
-    C = _ARGMAX_CHUNK
+    C = _CHUNK
     x = jnp.pad(logits, ((0, 0), (0, -vocab % C)), constant_values=-jnp.inf).reshape(R, -1, C)
     p = jnp.exp(x - jnp.max(x, axis=(1, 2), keepdims=True))  # [R, n, C]
     mass = p.sum(-1)  # [R, n]
@@ -258,26 +258,43 @@ def sample(
         scaled = scaled_logits(logits, md, mode)
         sampled = jnp.where(md.temperature <= 0.0, sampled,
                             random_sample(scaled, md.seeds, md.positions))
-    return with_logprobs(raw_logits, sampled, md.logprobs)
+    return with_logprobs(raw_logits, sampled)
 
 
-def with_logprobs(raw_logits: jax.Array, sampled: jax.Array,
-                  wanted: jax.Array | None = None) -> SamplerOutput:
+_TOP_CHUNK = 128  # vocabulary entries per chunk of top_logprobs' first level
+
+
+def top_logits(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis (ties: the lower index first), in two levels: the k
+    chunks with the largest maxima, then the top k of their entries. Exact: an entry of the
+    top k has fewer than k entries before it, so fewer than k chunks' maxima come before its
+    chunk's. XLA's CPU top-k over a whole vocabulary is most of the logprobs' cost."""
+    R, vocab = logits.shape
+    C = _TOP_CHUNK
+    n = -(-vocab // C)
+    if n <= k:
+        vals, ids = jax.lax.top_k(logits, k)
+        return vals, ids.astype(jnp.int32)
+    chunks = jnp.pad(logits, ((0, 0), (0, n * C - vocab)), constant_values=-jnp.inf
+                     ).reshape(R, n, C)
+    _, best = jax.lax.top_k(jnp.max(chunks, axis=-1), k)  # [R, k] chunk indices
+    best = jnp.sort(best, axis=-1)  # index order, so ties keep the lower index first
+    entries = jnp.take_along_axis(chunks, best[:, :, None], axis=1).reshape(R, k * C)
+    vals, pos = jax.lax.top_k(entries, k)
+    ids = jnp.take_along_axis(best, pos // C, axis=-1) * C + pos % C
+    return vals, ids.astype(jnp.int32)
+
+
+def with_logprobs(raw_logits: jax.Array, sampled: jax.Array) -> SamplerOutput:
     """The sampled tokens with their logprobs (of the raw model distribution), the top-N and
-    their ranks, for every row (`wanted` is not used to skip them yet)."""
-
-    def report(raw_logits: jax.Array) -> tuple[jax.Array, ...]:
-        raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
-        top_vals, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
-        sampled_lp = jnp.take_along_axis(raw_logprobs, sampled[:, None], axis=-1)
-        ranks = 1 + jnp.sum(raw_logprobs > sampled_lp, axis=-1).astype(jnp.int32)
-        return top_vals, top_ids.astype(jnp.int32), sampled_lp, ranks
-
-    del wanted  # always computed: a data-dependent branch would break export (test_export_step)
-    top_vals, top_ids, sampled_lp, ranks = report(raw_logits)
+    their ranks, for every row."""
+    lse = jax.nn.logsumexp(raw_logits, axis=-1, keepdims=True)
+    top_vals, top_ids = top_logits(raw_logits, MAX_LOGPROBS)
+    sampled_logit = jnp.take_along_axis(raw_logits, sampled[:, None], axis=-1)
+    ranks = 1 + jnp.sum(raw_logits > sampled_logit, axis=-1).astype(jnp.int32)
     return SamplerOutput(
         sampled=sampled,
         logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids], axis=-1),
-        logprobs=jnp.concatenate([sampled_lp, top_vals], axis=-1),
+        logprobs=jnp.concatenate([sampled_logit, top_vals], axis=-1) - lse,
         sampled_ranks=ranks,
     )

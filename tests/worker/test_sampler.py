@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,14 +224,25 @@ def test_first_argmax_is_argmax_with_ties_and_masked_rows() -> None:
     np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))), x.argmax(-1))
 
 
-def test_logprobs_flag_changes_no_output(logits) -> None:
-    """The per-row logprobs flag (not yet used to skip work) leaves every output as it was."""
-    args = (jnp.asarray(logits), jnp.zeros((R, V), bool), jnp.zeros((R, V), jnp.int32))
-    md = metadata(temperature=[0, 0, 0.8, 1.0, 0, 0.5], seeds=[3] * R)
-    full = jax.jit(sample)(*args, md)
-    none = jax.jit(sample)(*args, dataclasses.replace(md, logprobs=jnp.zeros(R, bool)))
-    for name in ("sampled", "logprob_token_ids", "logprobs", "sampled_ranks"):
-        np.testing.assert_array_equal(getattr(none, name), getattr(full, name))
+def test_two_level_top_k_is_exact() -> None:
+    """top_logits equals jax.lax.top_k, ties (lower index first) and -inf entries included,
+    whether the top entries share a chunk or not."""
+    from jaxserve.worker.sampler import top_logits
+
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 6, size=(32, 1000)).astype(np.float32)  # many ties
+    x[1] = rng.normal(size=1000)
+    x[2, :] = -np.inf
+    x[2, 900:] = rng.normal(size=100)  # everything in the last (padded) chunks
+    x[3, 5:30] = 99.0  # the top 20 inside one chunk
+    x[4] = -np.inf  # nothing finite
+    for k in (1, 20):
+        vals, ids = jax.jit(top_logits, static_argnums=1)(jnp.asarray(x), k)
+        want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(vals, want_vals)
+        np.testing.assert_array_equal(np.asarray(ids)[[0, 1, 3]], np.asarray(want_ids)[[0, 1, 3]])
+        finite = np.isfinite(np.asarray(want_vals))
+        np.testing.assert_array_equal(np.asarray(ids)[finite], np.asarray(want_ids)[finite])
 
 
 def test_penalties_apply_when_one_row_has_one(logits) -> None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.quantization import _matmul_rows
+from jaxserve.models.quantization import int8_matmul_rows
 from kernels_pallas.int8_matmul import cpu, int8_matmul
 
 L, H, I, KV, VOCAB, G = 30, 576, 1536, 192, 49152, 64
@@ -34,7 +34,7 @@ def weights(rng: np.random.Generator) -> tuple[dict, tuple]:
 def model(x: jax.Array, layers: dict, head: tuple, backend: str) -> jax.Array:
     def mm(h: jax.Array, w: tuple, i: jax.Array | None = None) -> jax.Array:
         if backend == "xla":
-            return _matmul_rows(h, *w, i, cpu_kernel=False)
+            return int8_matmul_rows(h, *w, i, cpu_kernel=False)
         return int8_matmul(h, *w, i, backend=backend)
 
     def layer(h: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:

@@ -103,6 +103,10 @@ class ArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalize the top-k routing weights (Mixtral always does)
+    # Dense layers among the sparse ones (Qwen3-MoE's mlp_only_layers, decoder_sparse_step):
+    # per layer, whether its feed-forward is the experts' (else a SwiGLU of intermediate_size).
+    # None: every layer alike.
+    moe_layers: tuple[bool, ...] | None = None
     # Gemma 2 / 3 (models/gemma.py): 2 or 3, 0 for the others. Their norms scale by 1 + w,
     # the embedding by sqrt(hidden_size), the MLP is GeGLU, each layer has four norms.
     gemma: int = 0
@@ -120,6 +124,22 @@ class ArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.moe_layers is not None and len(self.moe_layers) != self.num_hidden_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for "
+                             f"{self.num_hidden_layers} layers")
+
+    @property
+    def mlp_stack_index(self) -> tuple[int, ...] | None:
+        """With dense layers among the sparse (`moe_layers`): each layer's index in its own
+        kind's weight stack (the sparse layers' stacks, or the dense layers')."""
+        if self.moe_layers is None:
+            return None
+        seen = {True: 0, False: 0}
+        out = []
+        for sparse in self.moe_layers:
+            out.append(seen[sparse])
+            seen[sparse] += 1
+        return tuple(out)
 
     @property
     def local_layers(self) -> tuple[bool, ...] | None:
@@ -131,7 +151,8 @@ class ArchConfig:
     def layer_range(self, lo: int, hi: int) -> ArchConfig:
         """This architecture's layers lo..hi-1 (a pipeline stage)."""
         types = None if self.layer_types is None else self.layer_types[lo:hi]
-        return dataclasses.replace(self, num_hidden_layers=hi - lo, layer_types=types)
+        moe = {} if self.moe_layers is None else _mixed_moe_fields(self.moe_layers[lo:hi])
+        return dataclasses.replace(self, num_hidden_layers=hi - lo, layer_types=types, **moe)
 
     @property
     def context_length(self) -> int:
@@ -241,12 +262,22 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
     if arch != "Qwen3MoeForCausalLM":
         return {}
-    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
-    if step != 1 or dense:
-        # Layers of both kinds would need two layer scans: not built yet.
-        raise ValueError(f"{arch} with dense layers among the sparse ones (decoder_sparse_step "
-                         f"{step}, mlp_only_layers {dense}) is not supported")
-    return dict(num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts"))),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    # transformers' rule: layer i is sparse unless listed, and only every step-th one.
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    E = int(cfg.get("num_experts", cfg.get("num_local_experts")) or 0)
+    kinds = tuple(E > 0 and i not in dense and (i + 1) % step == 0
+                  for i in range(cfg["num_hidden_layers"]))
+    return {"num_experts": E, "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            **_mixed_moe_fields(kinds)}
+
+
+def _mixed_moe_fields(kinds: tuple[bool, ...]) -> dict[str, Any]:
+    """`moe_layers` for these layer kinds: None when every layer is sparse; a dense model
+    (num_experts 0) when none is."""
+    if all(kinds):
+        return dict(moe_layers=None)
+    if not any(kinds):
+        return dict(num_experts=0, moe_layers=None)
+    return dict(moe_layers=tuple(kinds))

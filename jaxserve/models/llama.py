@@ -29,9 +29,14 @@ import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU
-from jaxserve.models.moe import MoE
+from jaxserve.models.moe import MixedMLP, MoE
 from jaxserve.models.rope import apply_rope, needs_seq_lens, rope_cos_sin, token_seq_lens
-from jaxserve.models.quantization import INT8_LAYERS, dense as make_dense, embed as make_embed
+from jaxserve.models.quantization import (
+    INT8_LAYERS,
+    MLP_STACKS,
+    dense as make_dense,
+    embed as make_embed,
+)
 
 
 # A token's heads (the first axis of its entries in every layout) over "model".
@@ -233,9 +238,13 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="post_attention_layernorm")(h)
-        mlp = MoE(cfg, opts, name="mlp") if cfg.num_experts else SwiGLU(
-            cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
-            cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")
+        if cfg.moe_layers is not None:  # dense layers among the sparse
+            mlp = MixedMLP(cfg, opts, name="mlp")
+        elif cfg.num_experts:
+            mlp = MoE(cfg, opts, name="mlp")
+        else:
+            mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
+                         cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")
         h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
 
@@ -256,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.scan(
             GemmaDecoderLayer if cfg.gemma else DecoderLayer,
             variable_axes={"params": 0},
-            variable_broadcast=INT8_LAYERS,  # the whole int8 stack, indexed by layer inside
+            # Whole stacks, indexed by layer inside: int8 weights, a MixedMLP's.
+            variable_broadcast=[INT8_LAYERS, MLP_STACKS],
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,

@@ -6,6 +6,11 @@ SwiGLU as one grouped matmul over the tokens sorted by expert (`jax.lax.ragged_d
     experts  down(silu(x W_gate[e]) * x W_up[e]) for every pair, as three grouped matmuls
     combine  each pair's output times its routing weight, added back to its token
 
+Dense layers among the sparse ones (Qwen3-MoE's mlp_only_layers, decoder_sparse_step;
+ArchConfig.moe_layers): `MixedMLP` holds each kind's weights stacked over its own layers,
+whole (the scan cannot slice stacks of other lengths), and each layer runs its kind's branch
+(`jax.lax.cond` on the layer index) over its own entry of that stack.
+
 Under a mesh the layer runs under `shard_map` on the "model" axis with every token on every
 device (attention leaves them replicated): without expert parallelism each device holds every
 expert's slice of the intermediate size (as the dense MLP's tensor parallelism); with it
@@ -23,7 +28,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.quantization import INT8_LAYERS, dequantize_int8, num_groups
+from jaxserve.models.quantization import (
+    INT8_LAYERS,
+    MLP_STACKS,
+    dequantize_int8,
+    int8_matmul_rows,
+    num_groups,
+)
 
 # An expert stack: float [E, in, out], or int8 (qweight [E, out, in], scale [E, out, groups]).
 Experts = jax.Array | tuple[jax.Array, jax.Array]
@@ -134,6 +145,42 @@ def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Ex
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(contrib).astype(x.dtype)
 
 
+def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate: Experts,
+            w_up: Experts, w_down: Experts) -> jax.Array:
+    """One layer's mixture of experts on x [T, H] (router [H, E], this layer's expert stacks),
+    under the mesh's "model" axis when there is one (the module docstring has how)."""
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if opts.mesh is None:
+        return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
+    ep, tp = opts.expert_parallel, opts.mesh.shape["model"]
+    if (E if ep else I) % tp:
+        raise ValueError(f"{'num_experts' if ep else 'moe_intermediate_size'} "
+                         f"({E if ep else I}) must be a multiple of the tensor-parallel "
+                         f"size ({tp}){' with expert parallelism' if ep else ''}")
+    # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
+    # [E, H, I] (and their scales alike).
+    int8 = opts.quantization == "int8"
+    spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
+        lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
+    up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
+    if int8:  # down's scales: one per input group, whole when tp does not divide them
+        whole = not ep and num_groups(I) % tp
+        up_spec = (up_spec, up_spec)
+        down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
+
+    def local(x, weights, experts, w_gate, w_up, w_down):
+        first = jax.lax.axis_index("model") * _num_experts(w_gate) if ep else 0
+        out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform)
+        return jax.lax.psum(out, "model")
+
+    rep = PartitionSpec()
+    return jax.shard_map(local, mesh=opts.mesh,
+                         in_specs=(rep, rep, rep, up_spec, up_spec, down_spec),
+                         out_specs=rep, check_vma=False)(x, weights, experts, w_gate, w_up,
+                                                         w_down)
+
+
 class MoE(nn.Module):
     """The sparse feed-forward of one layer (inside the layer scan: params get [L, ...])."""
 
@@ -146,60 +193,96 @@ class MoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
-        if opts.quantization == "int8":
+        if opts.quantization == "int8":  # the whole stack, this layer's taken
             L = cfg.num_hidden_layers
-            w_gate, w_up, w_down = (Int8Experts(L, E, n_out, n_in, name=name)(layer)
+            w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, name=name)(), layer)
                                     for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
                                                               ("w_down", H, I)))
         else:
             w_gate = self.param("w_gate", init, (E, H, I), opts.dtype)
             w_up = self.param("w_up", init, (E, H, I), opts.dtype)
             w_down = self.param("w_down", init, (E, I, H), opts.dtype)
-        weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        if opts.mesh is None:
-            return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
-        ep, tp = opts.expert_parallel, opts.mesh.shape["model"]
-        if (E if ep else I) % tp:
-            raise ValueError(f"{'num_experts' if ep else 'moe_intermediate_size'} "
-                             f"({E if ep else I}) must be a multiple of the tensor-parallel "
-                             f"size ({tp}){' with expert parallelism' if ep else ''}")
-        # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
-        # [E, H, I] (and their scales alike).
-        int8 = opts.quantization == "int8"
-        spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
-            lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
-        up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
-        if int8:  # down's scales: one per input group, whole when tp does not divide them
-            whole = not ep and num_groups(I) % tp
-            up_spec = (up_spec, up_spec)
-            down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
-
-        def local(x, weights, experts, w_gate, w_up, w_down):
-            first = jax.lax.axis_index("model") * _num_experts(w_gate) if ep else 0
-            out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform)
-            return jax.lax.psum(out, "model")
-
-        rep = PartitionSpec()
-        return jax.shard_map(local, mesh=opts.mesh,
-                             in_specs=(rep, rep, rep, up_spec, up_spec, down_spec),
-                             out_specs=rep, check_vma=False)(x, weights, experts, w_gate, w_up,
-                                                             w_down)
+        return mixture(cfg, opts, x, router, w_gate, w_up, w_down)
 
 
-class Int8Experts(nn.Module):
-    """One expert stack in int8 (models/quantization.py's layout, per expert): the whole
-    [num_layers, E, out, in] in the INT8_LAYERS collection, this layer's returned."""
+class Int8Stack(nn.Module):
+    """int8 matrices held whole in a broadcast collection (models/quantization.py's layout):
+    qweight [*lead, out, in], scale [*lead, out, groups]. The layer scan's experts
+    ([num_layers, E]) in INT8_LAYERS; a MixedMLP's stacks in MLP_STACKS."""
 
-    num_layers: int
-    num_experts: int
+    lead: tuple[int, ...]
     out_features: int
     in_features: int
+    collection: str = INT8_LAYERS
 
     @nn.compact
-    def __call__(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        shape = (self.num_layers, self.num_experts, self.out_features, self.in_features)
-        q = self.variable(INT8_LAYERS, "qweight", jnp.zeros, shape, jnp.int8).value
-        s = self.variable(INT8_LAYERS, "scale", jnp.ones,
-                          (*shape[:3], num_groups(self.in_features)), jnp.float32).value
-        return (jax.lax.dynamic_index_in_dim(q, layer, keepdims=False),
-                jax.lax.dynamic_index_in_dim(s, layer, keepdims=False))
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        shape = (*self.lead, self.out_features, self.in_features)
+        q = self.variable(self.collection, "qweight", jnp.zeros, shape, jnp.int8).value
+        s = self.variable(self.collection, "scale", jnp.ones,
+                          (*shape[:-1], num_groups(self.in_features)), jnp.float32).value
+        return q, s
+
+
+class FloatStack(nn.Module):
+    """A float [*lead, in, out] stack held whole in MLP_STACKS, as param `kernel`."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.variable(MLP_STACKS, "kernel", jnp.zeros, self.shape, self.dtype).value
+
+
+def _take(w: Experts, i: jax.Array) -> Experts:
+    """Entry i of a stack (of float arrays or int8 (qweight, scale) pairs)."""
+    if isinstance(w, tuple):
+        return tuple(jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in w)
+    return jax.lax.dynamic_index_in_dim(w, i, keepdims=False)
+
+
+class MixedMLP(nn.Module):
+    """The feed-forward of a model with dense layers among the sparse (ArchConfig.moe_layers):
+    the sparse layers' router and experts stacked over the sparse layers, the dense layers'
+    SwiGLU over the dense ones, all in MLP_STACKS (the paths a uniform model's scan has:
+    `gate`, `w_gate`/`w_up`/`w_down`, `gate_proj`/`up_proj`/`down_proj`)."""
+
+    cfg: ArchConfig
+    opts: Any  # ModelOptions
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        cfg, opts = self.cfg, self.opts
+        E, H, I, I_dense = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                            cfg.intermediate_size)
+        n_sparse = sum(cfg.moe_layers)
+        n_dense = cfg.num_hidden_layers - n_sparse
+        int8 = opts.quantization == "int8"
+
+        def stack(name: str, lead: tuple[int, ...], n_in: int, n_out: int, module: bool) -> Experts:
+            if int8:
+                return Int8Stack(lead, n_out, n_in, MLP_STACKS, name=name)()
+            if module:  # a dense projection: `name/kernel`
+                return FloatStack((*lead, n_in, n_out), opts.dtype, name=name)()
+            return self.variable(MLP_STACKS, name, jnp.zeros, (*lead, n_in, n_out), opts.dtype).value
+
+        router = self.variable(MLP_STACKS, "gate", jnp.zeros, (n_sparse, H, E), opts.dtype).value
+        experts = [stack(n, (n_sparse, E), a, b, False)
+                   for n, a, b in (("w_gate", H, I), ("w_up", H, I), ("w_down", I, H))]
+        dense = [stack(n, (n_dense,), a, b, True) for n, a, b in (
+            ("gate_proj", H, I_dense), ("up_proj", H, I_dense), ("down_proj", I_dense, H))]
+        i = jnp.asarray(cfg.mlp_stack_index, jnp.int32)[layer]
+
+        def sparse_ffn() -> jax.Array:
+            return mixture(cfg, opts, x, _take(router, i), *(_take(w, i) for w in experts))
+
+        def dense_ffn() -> jax.Array:
+            def proj(v: jax.Array, w: Experts) -> jax.Array:
+                if isinstance(w, tuple):  # the CPU int8 kernel reads entry i of the stack
+                    return int8_matmul_rows(v, w[0], w[1], i, opts.cpu_kernel)
+                return v @ _take(w, i)
+            gate, up, down = dense
+            return proj(nn.silu(proj(x, gate)) * proj(x, up), down)
+
+        return jax.lax.cond(jnp.asarray(cfg.moe_layers)[layer], sparse_ffn, dense_ffn)

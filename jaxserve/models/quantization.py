@@ -93,6 +93,10 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
 # the CPU kernel takes the stack and the layer index instead. The stored param tree keeps
 # them under "params" like every other leaf; `model_variables` moves them for `apply`.
 INT8_LAYERS = "int8_layers"
+# With dense layers among the sparse (ArchConfig.moe_layers) each kind's feed-forward weights
+# stack over that kind's layers only, so the scan cannot slice them: the whole `layers/mlp`
+# moves to this collection, broadcast too, and each layer indexes its kind's stack.
+MLP_STACKS = "mlp_stacks"
 
 # XLA's CPU backend dequantizes a matmul's weights into a temporary before the product: a
 # temporary that stays in cache costs little, one the size of an LM head costs more than the
@@ -115,11 +119,12 @@ def _row_chunks(out: int, n_in: int) -> int:
     return n
 
 
-def _matmul_rows(
+def int8_matmul_rows(
     x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array | None = None,
     cpu_kernel: bool = True,
 ) -> jax.Array:
-    """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T."""
+    """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T: the CPU kernel where it
+    applies (it reads the layer out of the whole stack), else XLA's dequantize-then-dot."""
     out, n_in = qweight.shape[-2:]
     n = _row_chunks(out, n_in) if jax.default_backend() == "cpu" else 1
     if n == 1 or (cpu_kernel and int8_kernel.cpu_kernel_applies(x, qweight, scale)):
@@ -173,7 +178,7 @@ class Int8Dense(nn.Module):
             L = self.num_layers
             qweight = self.variable(INT8_LAYERS, "qweight", jnp.zeros, (L, *shape), jnp.int8).value
             scale = self.variable(INT8_LAYERS, "scale", jnp.ones, (L, *scale_shape), jnp.float32).value
-        y = _matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel)
+        y = int8_matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
         return y
@@ -198,7 +203,7 @@ class Int8Embed(nn.Module):
         return dequantize_int8(rows, jnp.take(self.scale, ids, axis=0).astype(self.dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return _matmul_rows(x.astype(self.dtype), self.qweight, self.scale, None, self.cpu_kernel)
+        return int8_matmul_rows(x.astype(self.dtype), self.qweight, self.scale, None, self.cpu_kernel)
 
 
 def dense(
@@ -225,12 +230,22 @@ def _is_int8_leaf(node: dict[str, Any], key: str) -> bool:
     return "qweight" in node and key in ("qweight", "scale")
 
 
+def _is_mixed_mlp(mlp: Any) -> bool:
+    """Whether a scan's `mlp` holds both a router and a dense MLP (ArchConfig.moe_layers)."""
+    return isinstance(mlp, dict) and "gate" in mlp and "gate_proj" in mlp
+
+
 def model_variables(params: dict[str, Any]) -> dict[str, Any]:
     """The stored tree `{"params": ...}` as the model's variables for `apply`: the layer
-    scan's int8 `qweight` / `scale` move to the INT8_LAYERS collection (same paths)."""
+    scan's int8 `qweight` / `scale` move to the INT8_LAYERS collection, and a feed-forward of
+    two kinds of layers to MLP_STACKS (same paths)."""
     layers = params["params"].get("layers")
     if not isinstance(layers, dict):
         return params
+    if _is_mixed_mlp(layers.get("mlp")):
+        rest = {k: v for k, v in layers.items() if k != "mlp"}
+        inner = model_variables({**params, "params": {**params["params"], "layers": rest}})
+        return {**inner, MLP_STACKS: {"layers": {"mlp": layers["mlp"]}}}
 
     def split(node: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         rest: dict[str, Any] = {}
@@ -256,7 +271,7 @@ def model_variables(params: dict[str, Any]) -> dict[str, Any]:
 
 def param_tree(variables: dict[str, Any]) -> dict[str, Any]:
     """The inverse of `model_variables` (e.g. for `model.init`'s output): one "params" tree."""
-    if INT8_LAYERS not in variables:
+    if INT8_LAYERS not in variables and MLP_STACKS not in variables:
         return variables
 
     def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -265,8 +280,11 @@ def param_tree(variables: dict[str, Any]) -> dict[str, Any]:
             out[k] = merge(out.get(k, {}), v) if isinstance(v, dict) else v
         return out
 
-    rest = {k: v for k, v in variables.items() if k != INT8_LAYERS}
-    return {**rest, "params": merge(variables["params"], variables[INT8_LAYERS])}
+    rest = {k: v for k, v in variables.items() if k not in (INT8_LAYERS, MLP_STACKS)}
+    params = variables["params"]
+    for moved in (INT8_LAYERS, MLP_STACKS):
+        params = merge(params, variables.get(moved, {}))
+    return {**rest, "params": params}
 
 
 def param_bytes(params: Any) -> int:

@@ -267,6 +267,34 @@ def test_mixture_of_experts_compiles(target: str, flags: list[str], qwen3_moe_mo
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe_mixed_model(tmp_path_factory) -> str:
+    """The Qwen3-MoE shape with every other layer dense (decoder_sparse_step 2)."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("qwen3-moe-mixed"))
+    transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=1024,
+        intermediate_size=3072, moe_intermediate_size=256, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+        decoder_sparse_step=2).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target,flags", [
+    ("h200", []), ("v5e:2x2", ["-tp", "4", "--enable-expert-parallel"]),
+], ids=["h200", "v5e-ep4"])
+def test_dense_layers_among_the_sparse_compile(target: str, flags: list[str],
+                                               qwen3_moe_mixed_model: str) -> None:
+    """Each layer's branch (experts or dense MLP, a cond on the layer index) over whole
+    stacks of each kind, through each device compiler; with expert parallelism, the experts'
+    shard_map inside the branch."""
+    report = _preflight(target, "--model", qwen3_moe_mixed_model, "--programs", "forward",
+                        "--only-warm-up", *FIXED_CACHE, *flags)
+    _assert_clean(report)
+
+
+@pytest.fixture(scope="module")
 def gemma3_model(tmp_path_factory) -> str:
     """A Gemma-3-1B-shaped config.json: 5 sliding layers to 1 full, soft caps off, q/k norms."""
     import transformers

@@ -1,6 +1,7 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral) against transformers, float32, on tiny random
 checkpoints: logits within 1e-4 of one forward; greedy tokens through the whole engine (chunked
-prefill, preemption) and under tensor and expert parallelism on fake CPU devices."""
+prefill, preemption) and under tensor, expert and pipeline parallelism on fake CPU devices.
+"qwen3_moe-mixed" has dense layers among the sparse ones (mlp_only_layers)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ KINDS = {
     "qwen3_moe": {"initializer_range": 0.2},
     "qwen3_moe-unnormalized": {"initializer_range": 0.2, "norm_topk_prob": False},
     "mixtral": {"initializer_range": 0.2},
+    # Layers 0 and 3 dense (SwiGLU of intermediate_size 96), 1 and 2 sparse.
+    "qwen3_moe-mixed": {"initializer_range": 0.2, "num_hidden_layers": 4, "mlp_only_layers": [0, 3]},
 }
 
 
@@ -32,8 +35,11 @@ def test_moe_logits_match_transformers(name: str, tmp_path) -> None:
     model_dir = tiny_moe(name, str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)
     assert arch.num_experts in (4, 8) and arch.num_experts_per_tok == 2
-    assert params["params"]["layers"]["mlp"]["w_down"].shape == (
-        2, arch.num_experts, arch.moe_intermediate_size, 64)
+    mlp = params["params"]["layers"]["mlp"]
+    assert mlp["w_down"].shape == (2, arch.num_experts, arch.moe_intermediate_size, 64)
+    if name.endswith("mixed"):  # each kind's stack over its own layers
+        assert arch.moe_layers == (False, True, True, False)
+        assert mlp["down_proj"]["kernel"].shape == (2, 96, 64) and mlp["gate"].shape == (2, 64, 8)
     model = LlamaForCausalLM(arch)
     for ids in PROMPTS:
         ours, ref = prompt_logits(model, params, ids), hf_logits(model_dir, ids)
@@ -54,7 +60,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int
                 for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3_moe-mixed"])
 def test_moe_through_the_engine_with_chunks_and_preemption(name: str, tmp_path) -> None:
     from jaxserve import LLM, SamplingParams
 
@@ -131,3 +137,49 @@ def test_int8_mixture_of_experts_through_the_engine(tmp_path) -> None:
     agree = np.mean([a == b for qa, fa in zip(q, f) for a, b in zip(qa, fa)])
     print(f"int8 MoE greedy tokens equal to float: {agree:.2f}")
     assert agree >= 0.5
+
+
+def test_dense_layers_among_the_sparse_follow_transformers_rule(tmp_path) -> None:
+    """Qwen3-MoE's layer kinds: sparse unless in mlp_only_layers, and only every
+    decoder_sparse_step-th; all sparse is a plain MoE, none sparse a dense model. A pipeline
+    stage keeps its own layers' kinds, and Orbax's config keeps them hashable."""
+    import json
+
+    from jaxserve.models.arch_config import ArchConfig
+    from jaxserve.models.loaders.orbax_loader import ARCH_FILE, read_orbax_arch
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32}
+
+    def kinds(**kw):
+        arch = ArchConfig.from_hf_config({**base, **kw})
+        return arch.num_experts, arch.moe_layers
+
+    assert kinds() == (8, None)
+    assert kinds(decoder_sparse_step=2) == (8, (False, True) * 3)
+    assert kinds(decoder_sparse_step=2, mlp_only_layers=[3]) == (
+        8, (False, True, False, False, False, True))
+    assert kinds(mlp_only_layers=list(range(6))) == (0, None)  # every layer dense
+    arch = ArchConfig.from_hf_config({**base, "decoder_sparse_step": 2})
+    assert arch.mlp_stack_index == (0, 0, 1, 1, 2, 2)
+    assert arch.layer_range(1, 2).moe_layers is None and arch.layer_range(1, 2).num_experts == 8
+    assert arch.layer_range(2, 3).num_experts == 0  # a stage of one dense layer
+    assert arch.layer_range(0, 4).moe_layers == (False, True, False, True)
+    (tmp_path / ARCH_FILE).write_text(json.dumps(dataclasses.asdict(arch)))
+    assert read_orbax_arch(str(tmp_path)) == arch
+    hash(read_orbax_arch(str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_dense_layers_among_the_sparse_on_fake_devices(tmp_path) -> None:
+    """The mixed model under tensor and expert parallelism, int8, and four pipeline stages (one
+    layer each: stages of a single kind) gives transformers' greedy tokens (int8: its own)."""
+    model_dir = tiny_moe("qwen3_moe-mixed", str(tmp_path))
+    res = on_fake_devices(model_dir, [[2, False], [2, True], [1, False, None, 4],
+                                      [1, False, "int8"], [2, True, "int8"]], PROMPTS)
+    want = hf_greedy(model_dir, PROMPTS, 16)
+    for key, r in res.items():
+        assert r["tokens"] == (res["tp1-ep0-int8"]["tokens"] if "int8" in key else want), key
+    assert res["tp2-ep1"]["expert_bytes_per_device"] * 2 == res["tp2-ep1"]["expert_bytes"]

@@ -3,7 +3,7 @@ parallelism on fake CPU devices, and each device's share of the expert weights, 
 
 Used by tests/models/test_moe.py and test_gemma.py in a subprocess (XLA_FLAGS must be set
 before JAX starts):
-    python -m tests.parallel.tiny_model_worker MODEL_DIR '[[tp, ep(, "int8")], ...]' PROMPTS_JSON
+    python -m tests.parallel.tiny_model_worker MODEL_DIR '[[tp, ep(, "int8" | null(, pp))], ...]' PROMPTS
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ def main() -> None:
     model, configs, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
-    for tp, ep, *quant in configs:
+    for tp, ep, *rest in configs:
+        quant, pp = (rest + [None, 1][len(rest):])[:2]
         llm = LLM(model, skip_tokenizer_init=True, tensor_parallel_size=tp,
-                  quantization=quant[0] if quant else None,
+                  pipeline_parallel_size=pp, quantization=quant,
                   enable_expert_parallel=ep, max_model_len=128, max_num_seqs=4,
                   max_num_batched_tokens=16, block_size=4, kv_cache_memory_bytes=4 << 20,
                   enforce_eager=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         mlp = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]
-        key = f"tp{tp}-ep{int(ep)}" + (f"-{quant[0]}" if quant else "")
+        key = f"tp{tp}-ep{int(ep)}" + (f"-{quant}" if quant else "") + (f"-pp{pp}" if pp > 1 else "")
         r = results[key] = {"tokens": [o.outputs[0].token_ids for o in outs]}
         if "w_gate" in mlp:  # a mixture of experts
             experts = jax.tree.leaves([mlp[n] for n in ("w_gate", "w_up", "w_down")])

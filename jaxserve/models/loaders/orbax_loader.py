@@ -38,7 +38,7 @@ def read_orbax_arch(model_dir: str) -> ArchConfig:
         d = json.load(f)
     if d.get("rope_scaling"):
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for name in ("eos_token_id", "layer_types"):  # JSON lists: tuples keep the config hashable
+    for name in ("eos_token_id", "layer_types", "moe_layers"):  # JSON lists: tuples keep the config hashable
         if isinstance(d.get(name), list):
             d[name] = tuple(d[name])
     return ArchConfig(**d)

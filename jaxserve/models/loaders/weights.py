@@ -38,7 +38,9 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     ]
     if cfg.num_experts:  # the router here; the experts are stacked by _expert_params
         E = cfg.num_experts
-        rows = rows[:-3] + [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
+        router = (f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))
+        # Dense layers among the sparse: both, each stacked over its own layers (_row_layers).
+        rows = rows + [router] if cfg.moe_layers is not None else rows[:-3] + [router]
     if cfg.gemma:  # the feed-forward's own sandwich norms
         rows += [(f"{n}.weight", (n, "scale"), False, (H,))
                  for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
@@ -56,6 +58,19 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     return rows
 
 
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _row_layers(cfg: ArchConfig, path: tuple[str, ...]) -> list[int]:
+    """The layers a table row is stacked over: every layer, except with dense layers among
+    the sparse (`moe_layers`), where the router and experts stack over the sparse layers
+    and the dense MLP over the others."""
+    if cfg.moe_layers is None or path[0] != "mlp":
+        return list(range(cfg.num_hidden_layers))
+    dense = path[1] in _DENSE_MLP
+    return [i for i, sparse in enumerate(cfg.moe_layers) if sparse != dense]
+
+
 def _moe_prefix(cfg: ArchConfig) -> str:
     return "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
 
@@ -66,18 +81,19 @@ _EXPERT_NAMES = {"w_gate": ("w1", "gate_proj"), "w_up": ("w3", "up_proj"),
 
 
 def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
-    """Every layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I]; w_down:
-    [.., I, H]) from one [out, in] tensor per expert."""
-    L, E, H, I = cfg.num_hidden_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    """Every sparse layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I];
+    w_down: [.., I, H]) from one [out, in] tensor per expert."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = cfg.architecture == "MixtralForCausalLM"
     out = {}
     for name, hf_names in _EXPERT_NAMES.items():
         shape = (H, I) if name == "w_down" else (I, H)
-        stacked = np.empty((L, E, shape[1], shape[0]), dtype)
-        for i in range(L):
+        stacked = np.empty((len(layers), E, shape[1], shape[0]), dtype)
+        for j, i in enumerate(layers):
             for e in range(E):
                 hf = f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}.weight"
-                stacked[i, e] = _fetch(get, hf, shape, source).T
+                stacked[j, e] = _fetch(get, hf, shape, source).T
         out[name] = stacked
     return out
 
@@ -145,22 +161,22 @@ def build_params(
     multi-host `device_put` accepts only exact host array types.
     """
     dtype = np.dtype(dtype)
-    L = cfg.num_hidden_layers
     get = _split_fused(cfg, get)
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
+        rows = _row_layers(cfg, path)
         if quantization is not None and path[-1] == "kernel":
-            per_layer = [_fetch_int8(get, f"model.layers.{i}.{suffix}", shape, source) for i in range(L)]
+            per_layer = [_fetch_int8(get, f"model.layers.{i}.{suffix}", shape, source) for i in rows]
             node.update({k: np.stack([t[k] for t in per_layer]) for k in ("qweight", "scale")})
             continue
         out_shape = shape[::-1] if transpose else shape
-        stacked = np.empty((L, *out_shape), dtype)
-        for i in range(L):
+        stacked = np.empty((len(rows), *out_shape), dtype)
+        for j, i in enumerate(rows):
             t = _fetch(get, f"model.layers.{i}.{suffix}", shape, source)
-            stacked[i] = t.T if transpose else t
+            stacked[j] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
         experts = _expert_params(cfg, get, dtype, source)

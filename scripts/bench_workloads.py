@@ -38,6 +38,7 @@ WORKLOADS = [
     Workload("short1", "24-word prompt, 128 out, one at a time", 4, 1, 28, 128),
     Workload("long1", "~1,800-token prompt, 16 out, one at a time", 3, 1, 1800, 16),
     Workload("ctx2k1", "2,000-token prompt, 64 out, one at a time (TPOT at 2k context)", 2, 1, 2000, 64),
+    Workload("short16", "24-word prompts, 128 out, concurrency 16", 32, 16, 28, 128),
     Workload("words256c16", "256-word prompts (300 tokens), 128 out, concurrency 16", 32, 16, 300, 128),
     Workload("words512c64", "512-word prompts (600 tokens), 64 out, concurrency 64", 128, 64, 600, 64),
     Workload("mixedc16", "mixed: 600 +-50% tokens in, 128 +-50% out, concurrency 16", 48, 16, 600, 128, 0.5),

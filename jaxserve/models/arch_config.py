@@ -14,6 +14,8 @@ from typing import Any
 
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")  # besides none ("default")
+# A dense SwiGLU's params (the MLP of a dense layer; of a sparse layer, the experts' stacks).
+DENSE_MLP_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -128,18 +130,23 @@ class ArchConfig:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for "
                              f"{self.num_hidden_layers} layers")
 
+    def stack_layers(self, param: str) -> list[int]:
+        """The layers a feed-forward param (`gate`, `w_up`, `down_proj`, ...) is stacked over:
+        every layer, but with `moe_layers` the sparse ones for the router and experts and the
+        dense ones for DENSE_MLP_PARAMS."""
+        if self.moe_layers is None:
+            return list(range(self.num_hidden_layers))
+        dense = param in DENSE_MLP_PARAMS
+        return [i for i, sparse in enumerate(self.moe_layers) if sparse != dense]
+
     @property
     def mlp_stack_index(self) -> tuple[int, ...] | None:
         """With dense layers among the sparse (`moe_layers`): each layer's index in its own
         kind's weight stack (the sparse layers' stacks, or the dense layers')."""
         if self.moe_layers is None:
             return None
-        seen = {True: 0, False: 0}
-        out = []
-        for sparse in self.moe_layers:
-            out.append(seen[sparse])
-            seen[sparse] += 1
-        return tuple(out)
+        index = {i: j for p in ("gate", "gate_proj") for j, i in enumerate(self.stack_layers(p))}
+        return tuple(index[i] for i in range(self.num_hidden_layers))
 
     @property
     def local_layers(self) -> tuple[bool, ...] | None:

@@ -55,19 +55,21 @@ def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
 
 
 def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, last: bool,
-                 tied: bool, moe_layers: tuple[bool, ...] | None = None) -> dict[str, Any]:
+                 arch: ArchConfig) -> dict[str, Any]:
     """The host params one stage needs (its layer slice; embedding/norm/head where used).
-    `moe_layers` (ArchConfig's): the feed-forward stacks of each kind are sliced to the
-    stage's layers of that kind, and a kind the stage has none of is left out."""
-    p = params["params"]
+    With dense layers among the sparse (`arch.moe_layers`) each feed-forward stack is sliced
+    to the stage's layers of its kind, and a kind the stage has none of is left out."""
+    p, tied = params["params"], arch.tie_word_embeddings
     lo, hi = layers
-    out: dict[str, Any] = {"layers": jax.tree.map(lambda a: a[lo:hi], p["layers"])}
-    if moe_layers is not None:
+    mixed = arch.moe_layers is not None
+    out: dict[str, Any] = {"layers": {
+        k: jax.tree.map(lambda a: a[lo:hi], v) for k, v in p["layers"].items()
+        if not (mixed and k == "mlp")}}
+    if mixed:
         mlp = {}
         for name, w in p["layers"]["mlp"].items():
-            dense = name in ("gate_proj", "up_proj", "down_proj")
-            kinds = [sparse != dense for sparse in moe_layers]  # the layers this stack covers
-            a, b = sum(kinds[:lo]), sum(kinds[:hi])
+            covered = arch.stack_layers(name)
+            a, b = sum(i < lo for i in covered), sum(i < hi for i in covered)
             if b > a:
                 mlp[name] = jax.tree.map(lambda x: x[a:b], w)
         out["layers"]["mlp"] = mlp
@@ -93,8 +95,7 @@ def build_stages(
     for i, rng in enumerate(ranges):
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
-        host = stage_params(host_params, rng, first, last, arch.tie_word_embeddings,
-                            arch.moe_layers)
+        host = stage_params(host_params, rng, first, last, arch)
         cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
@@ -132,8 +133,7 @@ def abstract_stages(
     for i, rng in enumerate(split_layers(arch.num_hidden_layers, pp)):
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
-        host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch.tie_word_embeddings,
-                                                     arch.moe_layers), full)
+        host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch), full)
         cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

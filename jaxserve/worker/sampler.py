@@ -1,6 +1,6 @@
 """On-device sampler: logits -> one token per request, in vLLM's order.
 
-    raw logits ─┬─▶ log_softmax ─▶ logprobs of the sampled token and the top-N
+    raw logits ─┬─▶ log-sum-exp ─▶ logprobs of the sampled token and the top-N
                 └─▶ min_tokens (EOS and stop ids masked) ─▶ grammar bitmask
                     ─▶ allowed_token_ids and bad_words ─▶ logit_bias
                     ─▶ penalties (repetition over prompt+output, frequency/presence
@@ -18,7 +18,7 @@ batch's parameters (as vLLM's `all_greedy` / `no_top_k` flags do), so the
 compiled program has no data-dependent branch: a greedy batch never pays for
 random draws, and only a batch with top-k / top-p / min-p pays for the sort.
 Logprobs are computed for every row of every step (a variant without them would
-double the sampler programs, and their compile time on TPUs); `top_logprobs`
+double the sampler programs, and their compile time on TPUs); `top_logits`
 finds the top-N in two levels, so they cost little more than one log-sum-exp.
 """
 

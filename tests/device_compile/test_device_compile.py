@@ -237,18 +237,22 @@ def test_gpu_register_spills_fail_the_compile() -> None:
             compile_with(block_q=32, pages_per_block=8, num_warps=4)
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_model(tmp_path_factory) -> str:
+def _save_qwen3_moe(path: str, **extra) -> str:
     """A Qwen3-MoE-shaped config.json (64 experts, top-8; no weights: preflight needs none)."""
     import transformers
 
-    path = str(tmp_path_factory.mktemp("qwen3-moe"))
     transformers.Qwen3MoeConfig(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=1024,
         intermediate_size=3072, moe_intermediate_size=256, num_experts=64,
         num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096).save_pretrained(path)
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+        **extra).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_model(tmp_path_factory) -> str:
+    return _save_qwen3_moe(str(tmp_path_factory.mktemp("qwen3-moe")))
 
 
 @pytest.mark.parametrize("target,flags", [
@@ -269,16 +273,7 @@ def test_mixture_of_experts_compiles(target: str, flags: list[str], qwen3_moe_mo
 @pytest.fixture(scope="module")
 def qwen3_moe_mixed_model(tmp_path_factory) -> str:
     """The Qwen3-MoE shape with every other layer dense (decoder_sparse_step 2)."""
-    import transformers
-
-    path = str(tmp_path_factory.mktemp("qwen3-moe-mixed"))
-    transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=1024,
-        intermediate_size=3072, moe_intermediate_size=256, num_experts=64,
-        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-        decoder_sparse_step=2).save_pretrained(path)
-    return path
+    return _save_qwen3_moe(str(tmp_path_factory.mktemp("qwen3-moe-mixed")), decoder_sparse_step=2)
 
 
 @pytest.mark.parametrize("target,flags", [

@@ -58,17 +58,11 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     return rows
 
 
-_DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
 def _row_layers(cfg: ArchConfig, path: tuple[str, ...]) -> list[int]:
-    """The layers a table row is stacked over: every layer, except with dense layers among
-    the sparse (`moe_layers`), where the router and experts stack over the sparse layers
-    and the dense MLP over the others."""
-    if cfg.moe_layers is None or path[0] != "mlp":
+    """The layers a table row is stacked over (ArchConfig.stack_layers for the MLP's)."""
+    if path[0] != "mlp":
         return list(range(cfg.num_hidden_layers))
-    dense = path[1] in _DENSE_MLP
-    return [i for i, sparse in enumerate(cfg.moe_layers) if sparse != dense]
+    return cfg.stack_layers(path[1])
 
 
 def _moe_prefix(cfg: ArchConfig) -> str:

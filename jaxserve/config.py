@@ -22,7 +22,7 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "bf16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels_pallas.FP8_KV_CACHE_DTYPES
 
@@ -50,7 +50,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     tokenizer: str | None = None  # None: the model's own
-    # "int8": int8 weights quantized at load (jaxserve/models/quantization.py).
+    # "int8" / "bf16": weight-only formats converted at load (jaxserve/models/quantization.py).
     quantization: str | None = None
     # vLLM's --load-format: "auto" reads the checkpoint; "dummy" gives random weights of its
     # config's shapes (config.json alone suffices: benchmarks, device checks).

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--platform", choices=sorted(DISABLED_CHECKS), required=True)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="default")
-    p.add_argument("--quantization", choices=["int8"], default=None)
+    p.add_argument("--quantization", choices=["int8", "bf16"], default=None)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = p.parse_args(argv)
     reports = export_step(args.shapes, args.platform, args.quantization, args.kv_cache_dtype)

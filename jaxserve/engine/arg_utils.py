@@ -86,8 +86,9 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_arg(
         "model", "context length (default: the model's)", type=human_readable_int))
     quantization: str | None = field(default=None, metadata=_arg(
-        "model", "int8: per-channel int8 weights quantized at load from any checkpoint, "
-        "dequantized inside the matmul", "-q", choices=list(QUANTIZATION_METHODS)))
+        "model", "weight-only, converted at load from any checkpoint: int8 (per-channel int8 "
+        "weights) or bf16 (bfloat16 weights; on the CPU oneDNN's bf16 matmul); activations stay "
+        "float32 on the CPU", "-q", choices=list(QUANTIZATION_METHODS)))
     load_format: str = field(default="auto", metadata=_arg(
         "model", "dummy: random weights of the model's shapes (its config.json alone "
         "suffices), for benchmarks and device checks", choices=list(LOAD_FORMATS)))

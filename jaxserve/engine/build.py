@@ -41,8 +41,8 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
                 config.model_config.quantization or np.dtype(worker.dtype).name)
-    if worker.int8_matmul:
-        logger.info("int8 matmul: %s", worker.int8_matmul)
+    if worker.weight_matmul:
+        logger.info("%s matmul: %s", config.model_config.quantization, worker.weight_matmul)
     sc = dataclasses.replace(config.scheduler_config, max_model_len=worker.max_model_len)
     config = dataclasses.replace(
         config,

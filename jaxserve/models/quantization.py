@@ -1,5 +1,11 @@
-"""Weight-only int8: symmetric int8 weights with per-output-channel scales in groups of
-64 input channels, dequantized inside the matmul.
+"""Weight-only formats, converted at load from any checkpoint, widened inside the matmul;
+activations and accumulation stay in the model's dtype (float32 on the CPU).
+
+bf16: the weights rounded to bfloat16, `qweight` bf16 [..., out, in], no scale. Half the
+bytes of float32 and no scale arithmetic; on the CPU `kernels_pallas.bf16_matmul` reads them
+in place for few tokens and runs oneDNN's bf16 matmul for many (docs/benchmarks.md).
+
+int8: symmetric int8 weights with per-output-channel scales in groups of 64 input channels:
 
     qweight  int8 [..., out, in]          round(w / scale), in [-127, 127]
     scale    f32  [..., out, in // 64]    max |w| over each group of 64 inputs / 127
@@ -18,9 +24,10 @@ The layout is PyTorch's `[out, in]`, not Flax's `[in, out]`: contiguous int8 row
 both XLA's CPU matrix-vector product and the CPU kernel read best (measured: same section). Embedding rows are quantized
 the same way, so a tied LM head (`attend`) uses them as its output channels.
 
-The matmul: up to 32 tokens on the CPU, `kernels_pallas.int8_matmul`'s C++ kernel (int8
+The int8 matmul: up to 32 tokens on the CPU, `kernels_pallas.int8_matmul`'s C++ kernel (int8
 read once, converted in registers); otherwise, and on GPU/TPU, XLA's
-dequantize-then-dot. Inside the layer scan the int8 weights stay whole (INT8_LAYERS).
+dequantize-then-dot. Inside the layer scan the weights of either format stay whole
+(INT8_LAYERS).
 """
 
 from __future__ import annotations
@@ -32,10 +39,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import check_quantization
 
 GROUP_SIZE = 64
+
+
+def to_bf16(w: np.ndarray, in_axis: int) -> np.ndarray:
+    """`w` [..., in, out] (in_axis=-2) or [..., out, in] (in_axis=-1) -> bfloat16 [..., out, in]
+    (rounded to nearest even, as JAX's and PyTorch's casts)."""
+    w = np.asarray(w, np.float32)
+    if in_axis in (-2, w.ndim - 2):
+        w = np.swapaxes(w, -1, -2)
+    return np.ascontiguousarray(w.astype(jnp.bfloat16))
+
+
+def quantize_weight(w: np.ndarray, method: str, in_axis: int) -> dict[str, np.ndarray]:
+    """One matrix in `method`'s format: {"qweight": [..., out, in]} (+ "scale" for int8)."""
+    if method == "bf16":
+        return {"qweight": to_bf16(w, in_axis)}
+    qweight, scale = quantize_int8(w, in_axis)
+    return {"qweight": qweight, "scale": scale}
 
 def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per output channel and group of `group_size` inputs: `w` [..., in, out]
@@ -70,24 +95,29 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
 
     def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
         # Every Dense "kernel" [..., in, out] (layer projections, a separate LM head) and
-        # the embedding [vocab, hidden] become qweight / scale; other leaves stay.
+        # the embedding [vocab, hidden] become qweight (/ scale); other leaves stay.
         node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
         for k in ("w_gate", "w_up", "w_down"):  # a mixture of experts' stacks [.., in, out]
             if k in node and not isinstance(node[k], dict):
-                qweight, scale = quantize_int8(node[k], in_axis=-2)
-                node[k] = {"qweight": qweight, "scale": scale}
+                check_experts(method)
+                node[k] = quantize_weight(node[k], method, in_axis=-2)
         if "kernel" in node:
-            qweight, scale = quantize_int8(node.pop("kernel"), in_axis=-2)
-            node.update(qweight=qweight, scale=scale)
+            node.update(quantize_weight(node.pop("kernel"), method, in_axis=-2))
         elif name == "embed_tokens" and "embedding" in node:
-            qweight, scale = quantize_int8(node.pop("embedding"), in_axis=-1)
-            node.update(qweight=qweight, scale=scale)
+            node.update(quantize_weight(node.pop("embedding"), method, in_axis=-1))
         return node
 
     return {**params, "params": walk(params["params"], "params")}
 
 
-# The layer scan's int8 weights are a collection of their own, broadcast whole into the scan
+def check_experts(method: str | None) -> None:
+    """Raise ValueError naming the field: bf16 weights do not cover experts yet."""
+    if method == "bf16":
+        raise ValueError("quantization 'bf16' does not cover mixture-of-experts models yet; "
+                         "use 'int8' or leave it unset")
+
+
+# The layer scan's quantized weights are a collection of their own, broadcast whole into the scan
 # (`nn.scan(variable_broadcast=INT8_LAYERS)`) rather than sliced per layer: XLA copies a
 # scanned slice before a custom call can read it (the whole layer's weights, every step), and
 # the CPU kernel takes the stack and the layer index instead. The stored param tree keeps
@@ -184,6 +214,55 @@ class Int8Dense(nn.Module):
         return y
 
 
+class Bf16Dense(nn.Module):
+    """`nn.Dense` with bf16 weights: params `qweight` bf16 [out, in], `bias` (in `dtype`).
+
+    Inside the layer scan (`num_layers` set) `qweight` is the whole stack [num_layers, out,
+    in] in the INT8_LAYERS collection and `layer` picks this layer's, as `Int8Dense`.
+    `cpu_kernel=False` keeps XLA's matmul (tensor parallel: the kernels have no sharding rule).
+    """
+
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    num_layers: int | None = None
+    cpu_kernel: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        shape = (self.features, x.shape[-1])
+        if self.num_layers is None:
+            weight = self.param("qweight", nn.initializers.zeros_init(), shape, jnp.bfloat16)
+        else:
+            weight = self.variable(INT8_LAYERS, "qweight", jnp.zeros, (self.num_layers, *shape),
+                                   jnp.bfloat16).value
+        y = bf16_kernel.bf16_matmul(x.astype(self.dtype), weight, layer,
+                                    backend="auto" if self.cpu_kernel else "reference")
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
+        return y
+
+
+class Bf16Embed(nn.Module):
+    """`nn.Embed` with bf16 rows (`qweight` [vocab, hidden]); `attend` is the tied LM head."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+    cpu_kernel: bool = True
+
+    def setup(self) -> None:
+        self.qweight = self.param(
+            "qweight", nn.initializers.zeros_init(), (self.num_embeddings, self.features), jnp.bfloat16)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.qweight, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return bf16_kernel.bf16_matmul(x.astype(self.dtype), self.qweight,
+                                       backend="auto" if self.cpu_kernel else "reference")
+
+
 class Int8Embed(nn.Module):
     """`nn.Embed` with int8 rows; `attend` is the tied LM head over the same rows."""
 
@@ -214,6 +293,8 @@ def dense(
     `num_layers`: the module is inside the layer scan of that many layers."""
     if quantization == "int8":
         return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
+    if quantization == "bf16":
+        return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
@@ -223,10 +304,12 @@ def embed(
     """The token embedding for a quantization method (None: float `nn.Embed`)."""
     if quantization == "int8":
         return Int8Embed(num_embeddings, features, dtype, cpu_kernel)
+    if quantization == "bf16":
+        return Bf16Embed(num_embeddings, features, dtype, cpu_kernel)
     return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
 
 
-def _is_int8_leaf(node: dict[str, Any], key: str) -> bool:
+def _is_quantized_leaf(node: dict[str, Any], key: str) -> bool:
     return "qweight" in node and key in ("qweight", "scale")
 
 
@@ -237,7 +320,7 @@ def _is_mixed_mlp(mlp: Any) -> bool:
 
 def model_variables(params: dict[str, Any]) -> dict[str, Any]:
     """The stored tree `{"params": ...}` as the model's variables for `apply`: the layer
-    scan's int8 `qweight` / `scale` move to the INT8_LAYERS collection, and a feed-forward of
+    scan's quantized `qweight` / `scale` move to the INT8_LAYERS collection, and a feed-forward of
     two kinds of layers to MLP_STACKS (same paths)."""
     layers = params["params"].get("layers")
     if not isinstance(layers, dict):
@@ -257,7 +340,7 @@ def model_variables(params: dict[str, Any]) -> dict[str, Any]:
                     rest[k] = r
                 if q:
                     int8[k] = q
-            elif _is_int8_leaf(node, k):
+            elif _is_quantized_leaf(node, k):
                 int8[k] = v
             else:
                 rest[k] = v

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
-from kernels_pallas.int8_matmul import CPU_KERNEL_MAX_TOKENS, cpu as int8_cpu
+import kernels_pallas.bf16_matmul as bf16_kernel
+import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
@@ -98,17 +99,24 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     return requested
 
 
-def int8_matmul_path(quantization: str | None, platform: str, tp: int) -> str | None:
-    """Which int8 matmul the model runs (logged at start-up: slow decode -> look here)."""
-    if quantization != "int8":
+def weight_matmul_path(quantization: str | None, platform: str, tp: int) -> str | None:
+    """Which matmul a quantized model's projections run (logged at start-up: slow decode ->
+    look here); None for float weights."""
+    if quantization is None:
         return None
     if platform != "cpu":
-        return "XLA (dequantize + dot, fused)"
+        return "XLA (widen + dot, fused)"
     if tp > 1:
-        return "XLA (tensor parallel: the CPU kernel has no sharding rule)"
-    if not int8_cpu.available():
-        return f"XLA (CPU kernel unavailable: {int8_cpu.unavailable_reason()})"
-    return f"CPU kernel up to {CPU_KERNEL_MAX_TOKENS} tokens a step, XLA beyond"
+        return "XLA (tensor parallel: the CPU kernels have no sharding rule)"
+    if quantization == "int8":
+        if not int8_kernel.cpu.available():
+            return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"
+        return f"CPU kernel up to {int8_kernel.CPU_KERNEL_MAX_TOKENS} tokens a step, XLA beyond"
+    if not bf16_kernel.cpu.available():
+        return f"XLA (CPU kernel unavailable: {bf16_kernel.cpu.unavailable_reason()})"
+    many = ("oneDNN bf16 beyond" if bf16_kernel.cpu.onednn_available()
+            else f"XLA beyond (oneDNN unavailable: {bf16_kernel.cpu.onednn_unavailable_reason()})")
+    return f"CPU kernel up to {bf16_kernel.CPU_KERNEL_MAX_TOKENS} tokens a step, {many}"
 
 
 class Worker:
@@ -153,7 +161,7 @@ class Worker:
         host_params = quantize_params(host_params, quantization)  # if not read as int8
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
+        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def load_abstract_model(self) -> None:
@@ -166,7 +174,7 @@ class Worker:
         quantization = self.config.model_config.quantization
         self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.int8_matmul = int8_matmul_path(quantization, self.platform, tp)
+        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and

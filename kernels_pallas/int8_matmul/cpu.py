@@ -1,9 +1,7 @@
 """Build, load and call the C++ CPU int8 matmul (`int8_matmul_cpu.cc`, an XLA FFI handler).
 
-Built on first use with the system's C++ compiler (`$CXX`, else g++) against jaxlib's FFI
-headers, into `$KERNELS_PALLAS_CACHE` (default `~/.cache/kernels_pallas`), named by a hash
-of the source, the flags and the jaxlib version, so an upgrade rebuilds and several
-processes share one build (written to a temporary name, then renamed). Where there is no
+Built on first use by `kernels_pallas.cpu_build` (the system's C++ compiler, cached by a hash
+of the sources, flags and jaxlib version). Where there is no
 compiler, the CPU lacks AVX2/FMA, or the build fails, `available()` is False (with the
 reason in `unavailable_reason()`) and callers use the XLA reference.
 """
@@ -12,69 +10,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
+
+from kernels_pallas import cpu_build
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_matmul_cpu.cc")
 TARGET = "kernels_pallas_int8_matmul_cpu"
-# The C++ runtime linked in statically: a process may already have loaded an older
-# libstdc++ (a conda Python) than the one the system's g++ builds against.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
-         "-static-libstdc++", "-static-libgcc")
-BUILD_TIMEOUT_S = 300
+FLAGS = ("-mavx2", "-mfma")
 # The kernel's vector loop takes 32 inputs at a time within a group.
 K_MULTIPLE = 32
 
 _reason: list[str] = []
 
 
-def _cache_dir() -> Path:
-    """$KERNELS_PALLAS_CACHE, else ~/.cache/kernels_pallas, else a per-user temporary dir."""
-    if "KERNELS_PALLAS_CACHE" in os.environ:
-        return Path(os.environ["KERNELS_PALLAS_CACHE"]).expanduser()
-    home = Path("~/.cache/kernels_pallas").expanduser()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        return home
-    except OSError:  # a read-only home
-        return Path(tempfile.gettempdir()) / f"kernels_pallas-{os.getuid()}"
-
-
 def _build() -> Path:
-    wanted = shlex.split(os.environ.get("CXX", ""))  # when set, that compiler (e.g. "ccache g++") or none
-    found = shutil.which(wanted[0]) if wanted else shutil.which("g++") or shutil.which("c++")
-    if found is None:
-        raise RuntimeError(f"no C++ compiler {os.environ.get('CXX') or 'g++'!r} (set CXX or install g++)")
-    cxx = [found, *wanted[1:]]
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((*FLAGS, *cxx)).encode() + jaxlib.__version__.encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"int8_matmul_cpu-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
-        os.replace(tmp_out, out)  # atomic: a concurrent build of the same key is identical
-    return out
+    return cpu_build.build("int8_matmul_cpu", SOURCE, FLAGS, headers=[cpu_build.INCLUDE_DIR / "cpu_pool.h"])
 
 
 _LOCK = threading.Lock()

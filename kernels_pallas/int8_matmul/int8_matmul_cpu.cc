@@ -11,25 +11,14 @@
 // multiplies it into every token's accumulator; `layer` selects one layer of a stacked
 // [L, N, K] operand so the layer scan passes the whole stack without slicing it.
 //
-// Threads: output rows are split into chunks that the calling thread and the helper threads
-// (one per other core, or KERNELS_PALLAS_INT8_THREADS in all) take from a shared counter, so
-// the caller never waits for a helper that has not started. One call runs at a time; each
-// already uses every core.
+// Threads: chunks of output rows on kernels_pallas/cpu_pool.h's pool.
 #include <immintrin.h>
-#include <sched.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
-#include <functional>
-#include <mutex>
 #include <string>
-#include <system_error>
-#include <thread>
-#include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -93,104 +82,6 @@ void rows(const float* x, const int8_t* w, const float* s, float* y, int64_t M, 
   }
 }
 
-// Row chunks per call: enough for every core to stay busy whatever the others are doing.
-constexpr int64_t kChunks = 16;
-
-class Pool {
- public:
-  static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: helpers may outlive static teardown
-    return *pool;
-  }
-
-  // Calls fn(c) for every c in [0, n), on this thread and the helpers; returns when all ran.
-  template <typename F>
-  void run(int64_t n, const F& fn) {
-    std::lock_guard<std::mutex> call(call_mu_);
-    if (helpers_.empty() || n == 1) {
-      for (int64_t c = 0; c < n; ++c) fn(c);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      job_ = [&fn](int64_t c) { fn(c); };
-      n_ = n;
-      next_.store(0);
-      open_ = true;
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    if (sleeping_.load() > 0) cv_.notify_all();
-    work();
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      open_ = false;  // no helper joins from now on
-    }
-    // Helpers still on their last chunk: poll, and yield now and then so that a helper
-    // preempted on a loaded machine can get the core back.
-    for (int spins = 0; active_.load(std::memory_order_acquire) > 0; ++spins) {
-      if (spins % 1024 == 1023) sched_yield();
-      else _mm_pause();
-    }
-  }
-
- private:
-  Pool() {
-    cpu_set_t set;
-    long cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    if (const char* v = std::getenv("KERNELS_PALLAS_INT8_THREADS")) cores = std::strtol(v, nullptr, 10);
-    // A call has about kChunks chunks, so more helpers than that would only wait.
-    cores = std::clamp(cores, 1L, static_cast<long>(kChunks));
-    for (long i = 1; i < cores; ++i) {
-      try {
-        helpers_.emplace_back([this] { helper(); });
-        helpers_.back().detach();
-      } catch (const std::system_error&) {
-        break;  // out of threads (a container's limit): run with the helpers we have
-      }
-    }
-  }
-
-  void work() {
-    int64_t c;
-    while ((c = next_.fetch_add(1)) < n_) job_(c);
-  }
-
-  void helper() {
-    uint64_t seen = 0;
-    for (;;) {
-      // Poll briefly (the next call is often microseconds away), then sleep until woken:
-      // polling for longer measured no faster in a decode step and takes the core from XLA.
-      for (int spins = 0; gen_.load(std::memory_order_acquire) == seen && spins < 1024; ++spins)
-        _mm_pause();
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        if (gen_.load() == seen) {
-          sleeping_.fetch_add(1);
-          cv_.wait(lk, [&] { return gen_.load() != seen; });
-          sleeping_.fetch_sub(1);
-        }
-        seen = gen_.load();
-        if (!open_) continue;  // that call already finished
-        active_.fetch_add(1);
-      }
-      work();
-      active_.fetch_sub(1, std::memory_order_release);
-    }
-  }
-
-  std::mutex call_mu_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::thread> helpers_;
-  std::function<void(int64_t)> job_;
-  int64_t n_ = 0;
-  bool open_ = false;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> active_{0};
-  std::atomic<int> sleeping_{0};
-};
-
 ffi::Error Int8MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
                           ffi::Buffer<ffi::F32> scale, ffi::BufferR0<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> y) {
@@ -211,11 +102,11 @@ ffi::Error Int8MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
   const int8_t* wp = qweight.typed_data() + l * N * K;
   const float* sp = scale.typed_data() + l * N * G;
   float* yp = y->typed_data();
-  // kChunks chunks of rows, each a multiple of 8 rows.
-  const int64_t chunk = std::max<int64_t>(8, (N / kChunks + 7) / 8 * 8);
+  // kernels_pallas::kChunks chunks of rows, each a multiple of 8 rows.
+  const int64_t chunk = std::max<int64_t>(8, (N / kernels_pallas::kChunks + 7) / 8 * 8);
   const int64_t chunks = (N + chunk - 1) / chunk;
   try {  // no C++ exception may cross the FFI boundary
-    Pool::get().run(chunks, [&](int64_t c) {
+    kernels_pallas::Pool::get().run(chunks, [&](int64_t c) {
       rows(xp, wp, sp, yp, M, K, N, G, c * chunk, std::min(N, (c + 1) * chunk));
     });
   } catch (const std::exception& e) {

@@ -174,3 +174,74 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
         model = LlamaForCausalLM(arch, ModelOptions(quantization="int8", mesh=m))
         hlo = jax.jit(lambda v: model.apply(v, ids, ids, cache, md)).lower(variables).as_text()
         assert (cpu.TARGET in hlo) == uses_kernel
+
+
+def _bf16_rounded(params: dict) -> dict:
+    """The float32 tree with every projection and the embedding rounded to bf16 (what
+    `quantize_params(params, "bf16")` holds, in float32 and Flax's layout)."""
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        return {k: (np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32))
+                    if k in ("kernel", "embedding") else walk(v)) for k, v in node.items()}
+    return {"params": walk(params["params"])}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}], ids=["tied", "lm_head"])
+def test_bf16_model_is_the_float_model_with_bf16_rounded_weights(overrides: dict, tmp_path) -> None:
+    from kernels_pallas.bf16_matmul import cpu
+
+    model_dir = save_tiny_hf("qwen2", str(tmp_path), **overrides)  # q/k/v biases stay float
+    arch, params = load_checkpoint(model_dir, np.float32)
+    bparams = quantize_params(params, "bf16")
+    _, direct = load_checkpoint(model_dir, np.float32, quantization="bf16")  # one tensor at a time
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), direct, bparams))
+    kinds = {"/".join(str(p.key) for p in path[1:]): a for path, a in jax.tree_util.tree_flatten_with_path(bparams)[0]}
+    assert kinds["layers/self_attn/q_proj/qweight"].dtype == jnp.bfloat16
+    assert kinds["layers/self_attn/q_proj/qweight"].shape == (arch.num_hidden_layers, arch.q_size, arch.hidden_size)
+    assert kinds["layers/self_attn/q_proj/bias"].dtype == np.float32
+    assert "layers/self_attn/q_proj/scale" not in kinds
+    assert ("lm_head/qweight" in kinds) == (not arch.tie_word_embeddings)
+    assert 0.45 * param_bytes(params) < param_bytes(bparams) < 0.55 * param_bytes(params)
+
+    bmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16")), LlamaForCausalLM(arch)
+    rparams = _bf16_rounded(params)
+    # 12 tokens take the few-token kernel: float32 products of the same bf16 weights.
+    short_ids = list(range(3, 15))
+    b_short, r_short = prompt_logits(bmodel, bparams, short_ids), prompt_logits(fmodel, rparams, short_ids)
+    assert np.abs(b_short - r_short).max() < 1e-4 * np.abs(r_short).max()
+    # 57 tokens take oneDNN (activations rounded to bf16 too) or XLA's matmul.
+    ids = list(range(3, 60))
+    b, r, f = (prompt_logits(bmodel, bparams, ids), prompt_logits(fmodel, rparams, ids),
+               prompt_logits(fmodel, params, ids))
+    assert np.abs(b - r).max() < (2e-2 if cpu.onednn_available() else 1e-4) * np.abs(r).max()
+    assert np.abs(b - f).max() < 0.05 * np.abs(f).max()
+
+
+def test_bf16_weights_through_the_engine_match_float32_greedy(tmp_path) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    model_dir = save_tiny_hf("llama", str(tmp_path))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    tokens = {}
+    for q in (None, "bf16"):
+        # A 40-token prefill (oneDNN where it is available) and decodes of 1-2 tokens (kernel).
+        llm = LLM(model_dir, quantization=q, max_model_len=128, max_num_seqs=4, skip_tokenizer_init=True,
+                  max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, enforce_eager=True)
+        if q:
+            assert llm.engine.worker.weight_matmul.startswith("CPU kernel up to 16 tokens a step")
+            stack = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]["down_proj"]["qweight"]
+            assert stack.dtype == jnp.bfloat16 and stack.ndim == 3  # [layers, out, in]
+        tokens[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        llm.shutdown()
+    assert tokens["bf16"] == tokens[None]
+
+
+def test_bf16_refuses_experts_by_name(tmp_path) -> None:
+    model_dir = save_tiny_hf("qwen3_moe", str(tmp_path))
+    with pytest.raises(ValueError, match="quantization 'bf16' does not cover mixture-of-experts"):
+        load_checkpoint(model_dir, np.float32, quantization="bf16")
+    arch, params = load_checkpoint(model_dir, np.float32)
+    with pytest.raises(ValueError, match="quantization 'bf16'"):
+        quantize_params(params, "bf16")

@@ -107,7 +107,7 @@ def test_fp8_kv_cache_and_int8_weights_in_the_engine(tiny_model: str) -> None:
         w = llm.engine.worker
         runs[kv] = ([o.outputs[0].token_ids for o in outs], w.num_blocks, w.kv_layout.storage_dtype)
         # Decode steps (few tokens) take the CPU int8 kernel; start-up logs which path runs.
-        assert w.int8_matmul == (None if q is None else "CPU kernel up to 32 tokens a step, XLA beyond")
+        assert w.weight_matmul == (None if q is None else "CPU kernel up to 32 tokens a step, XLA beyond")
         llm.shutdown()
     assert runs["fp8"][2] == jnp.uint8 and runs["auto"][2] == jnp.float32
     assert runs["fp8"][1] == 4 * runs["auto"][1]

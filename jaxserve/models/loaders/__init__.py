@@ -16,7 +16,7 @@ def load_checkpoint(
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Read weights as host NumPy arrays in `dtype`; the worker places them.
 
-    With `quantization="int8"` the projections and embedding come back int8
+    With `quantization` ("int8", "bf16") the projections and embedding come back in that format
     (models/quantization.py), quantized one tensor at a time as they are read (GGUF and
     safetensors; an Orbax checkpoint is restored whole, then quantized).
     """

@@ -134,13 +134,13 @@ def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np
     return t
 
 
-def _fetch_int8(get: GetTensor, name: str, shape: tuple[int, int], source: str) -> dict[str, np.ndarray]:
-    """One [out, in] matrix quantized to int8 at once (models/quantization.py), so only
-    this tensor is ever float."""
-    from jaxserve.models.quantization import quantize_int8
+def _fetch_quantized(get: GetTensor, name: str, shape: tuple[int, int], source: str,
+                     method: str) -> dict[str, np.ndarray]:
+    """One [out, in] matrix converted to `method`'s format at once (models/quantization.py),
+    so only this tensor is ever float."""
+    from jaxserve.models.quantization import quantize_weight
 
-    qweight, scale = quantize_int8(_fetch(get, name, shape, source), in_axis=-1)
-    return {"qweight": qweight, "scale": scale}
+    return quantize_weight(_fetch(get, name, shape, source), method, in_axis=-1)
 
 
 def build_params(
@@ -148,8 +148,9 @@ def build_params(
 ) -> dict[str, Any]:
     """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
 
-    With `quantization="int8"` every projection and the embedding arrive as int8 one tensor
-    at a time (`qweight` [out, in], `scale`), so the whole model never exists in float.
+    With `quantization` ("int8", "bf16") every projection and the embedding arrive in that
+    format one tensor at a time (`qweight` [out, in], int8's `scale`), so the whole model
+    never exists in float32.
 
     NOTE: leaves are plain `np.ndarray`s (never views of a memory-mapped file):
     multi-host `device_put` accepts only exact host array types.
@@ -163,8 +164,9 @@ def build_params(
             node = node.setdefault(key, {})
         rows = _row_layers(cfg, path)
         if quantization is not None and path[-1] == "kernel":
-            per_layer = [_fetch_int8(get, f"model.layers.{i}.{suffix}", shape, source) for i in rows]
-            node.update({k: np.stack([t[k] for t in per_layer]) for k in ("qweight", "scale")})
+            per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", shape, source, quantization)
+                         for i in rows]
+            node.update({k: np.stack([t[k] for t in per_layer]) for k in per_layer[0]})
             continue
         out_shape = shape[::-1] if transpose else shape
         stacked = np.empty((len(rows), *out_shape), dtype)
@@ -174,16 +176,16 @@ def build_params(
         node[path[-1]] = stacked
     if cfg.num_experts:
         experts = _expert_params(cfg, get, dtype, source)
-        if quantization is not None:  # one stack at a time in float, then int8
-            from jaxserve.models.quantization import quantize_int8
+        if quantization is not None:  # one stack at a time in float, then quantized
+            from jaxserve.models.quantization import check_experts, quantize_weight
 
+            check_experts(quantization)
             for name, w in experts.items():
-                q, s = quantize_int8(w, in_axis=-2)
-                experts[name] = {"qweight": q, "scale": s}
+                experts[name] = quantize_weight(w, quantization, in_axis=-2)
         layers["mlp"].update(experts)
     V, H = cfg.vocab_size, cfg.hidden_size
     if quantization is not None:
-        embed = _fetch_int8(get, "model.embed_tokens.weight", (V, H), source)
+        embed = _fetch_quantized(get, "model.embed_tokens.weight", (V, H), source, quantization)
     else:
         embed = {"embedding": np.asarray(_fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
     params: dict[str, Any] = {
@@ -192,7 +194,7 @@ def build_params(
         "norm": {"scale": np.asarray(_fetch(get, "model.norm.weight", (H,), source), dtype)},
     }
     if not cfg.tie_word_embeddings and quantization is not None:
-        params["lm_head"] = _fetch_int8(get, "lm_head.weight", (V, H), source)
+        params["lm_head"] = _fetch_quantized(get, "lm_head.weight", (V, H), source, quantization)
     elif not cfg.tie_word_embeddings:
         head = _fetch(get, "lm_head.weight", (V, H), source)
         params["lm_head"] = {"kernel": np.ascontiguousarray(head.T, dtype)}

@@ -1,0 +1,105 @@
+"""The CPU bf16 matmuls (few-token kernel, oneDNN) beside their XLA reference
+(kernels_pallas.bf16_matmul)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.bf16_matmul import (
+    CPU_KERNEL_MAX_TOKENS, bf16_matmul, bf16_matmul_reference, cpu, cpu_path)
+
+
+def operands(m: int, n: int, k: int, layers: int | None = None, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lead = () if layers is None else (layers,)
+    w = jnp.asarray(rng.standard_normal((*lead, n, k)) / np.sqrt(k), jnp.bfloat16)
+    return jnp.asarray(rng.standard_normal((m, k)), jnp.float32), w
+
+
+def float64_matmul(x, w) -> np.ndarray:
+    """Ground truth: the bf16 weights exactly, in float64."""
+    return np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+
+
+def test_kernel_builds_here():
+    # CI machines have g++ and AVX2: a build failure must be loud, not a silent fallback.
+    assert cpu.available(), cpu.unavailable_reason()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33])
+def test_kernel_is_the_float32_product_of_the_bf16_weights(m: int):
+    x, w = operands(m, 200, 576, layers=3)  # N not a multiple of the row chunk: a ragged tail
+    got = jax.jit(lambda x, w: bf16_matmul(x, w, 2, backend="cpu"))(x, w)
+    want = float64_matmul(x, w[2])
+    assert got.dtype == jnp.float32 and got.shape == (m, 200)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    ref = bf16_matmul_reference(x, w, jnp.int32(2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_layer_index_is_clamped_like_xla():
+    x, w = operands(2, 64, 64, layers=3)
+    for layer, like in ((7, 2), (-1, 0)):
+        got = bf16_matmul(x, w, layer, backend="cpu")
+        want = bf16_matmul_reference(x, w, jnp.int32(like))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_unstacked_weights_and_leading_dims():
+    x, w = operands(6, 96, 128)
+    got = bf16_matmul(x.reshape(2, 3, 128), w, backend="cpu")
+    np.testing.assert_allclose(np.asarray(got).reshape(6, 96), float64_matmul(x, w), rtol=0, atol=1e-4)
+
+
+onednn = pytest.mark.skipif(not cpu.onednn_available(),
+                            reason=f"oneDNN bf16 unavailable: {cpu.onednn_unavailable_reason()}")
+
+
+@onednn
+@pytest.mark.parametrize("m", [1, 17, 64, 130])
+def test_onednn_is_the_product_of_the_bf16_rounded_operands(m: int):
+    x, w = operands(m, 192, 576, layers=2, seed=m)
+    got = jax.jit(lambda x, w: bf16_matmul(x, w, 1, backend="onednn"))(x, w)
+    want = float64_matmul(x.astype(jnp.bfloat16).astype(jnp.float32), w[1])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # Rounding the activations to bf16 moves the product by well under 1% of its range.
+    full = float64_matmul(x, w[1])
+    assert np.abs(np.asarray(got) - full).max() < 1e-2 * np.abs(full).max()
+
+
+def test_auto_picks_by_token_count():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU paths")
+    w = operands(1, 64, 64, layers=2)[1]
+    few = jnp.zeros((CPU_KERNEL_MAX_TOKENS, 64), jnp.float32)
+    many = jnp.zeros((CPU_KERNEL_MAX_TOKENS + 1, 64), jnp.float32)
+    assert cpu_path(few, w) == "cpu"
+    assert cpu_path(many, w) == ("onednn" if cpu.onednn_available() else "reference")
+    assert cpu_path(few.astype(jnp.bfloat16), w) == "reference"  # bf16 activations: XLA
+    assert cpu_path(jnp.zeros((2, 48), jnp.float32), w[..., :48]) == "reference"  # K % 32
+
+
+def test_inside_a_layer_scan_each_layer_is_read_in_place():
+    x, w = operands(4, 64, 64, layers=5)
+    layers = jnp.arange(5, dtype=jnp.int32)
+
+    def run(backend: str) -> jax.Array:
+        step = lambda h, l: (jnp.tanh(bf16_matmul(h, w, l, backend=backend)), None)
+        return jax.jit(lambda h: jax.lax.scan(step, h, layers)[0])(x)
+
+    np.testing.assert_allclose(np.asarray(run("auto")), np.asarray(run("reference")), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_calls_raise_value_errors():
+    x, w = operands(2, 64, 64, layers=2)
+    with pytest.raises(ValueError, match="backend"):
+        bf16_matmul(x, w, 0, backend="fast")
+    with pytest.raises(ValueError, match="layer is required"):
+        bf16_matmul(x, w)
+    with pytest.raises(ValueError, match="cannot run here: K=48"):
+        bf16_matmul(x[:, :48], w[..., :48], 0, backend="cpu")
+    with pytest.raises(ValueError, match="weights must be bfloat16"):
+        bf16_matmul(x, w.astype(jnp.float32), 0, backend="cpu")

@@ -109,7 +109,7 @@ def report(args: argparse.Namespace) -> None:
     results = _load(args.out)
     labels = sorted({label for label, _ in results}, key=lambda l: (l != "jaxserve", l))
     print("| workload | server | out tok/s | total tok/s | TTFT mean / p99 (ms) | TPOT mean / p99 (ms) "
-          "| roofline: tok/s, TTFT, TPOT | failed |")
+          "| float32 roofline: tok/s, TTFT, TPOT | failed |")
     print("|---|---|---|---|---|---|---|---|")
     for w in WORKLOADS:
         roof = roofline(w)
@@ -154,7 +154,7 @@ def _plot(results, labels, path: str) -> None:
         ax.legend()
     for ax in axes:
         ax.set_yscale("log")
-    fig.suptitle("jaxserve on 2 CPU cores, SmolLM2-135M float32 (docs/benchmarks.md)")
+    fig.suptitle("2 CPU cores, SmolLM2-135M; roofline: float32 weights at XLA's float32 peak (docs/benchmarks.md)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

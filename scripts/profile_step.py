@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0,
                         help="prompt tokens already in each sequence (long-context decode)")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--quantization", "-q", default=None, help="int8 or bf16 weights")
     args = parser.parse_args()
 
     import jax
@@ -85,7 +86,8 @@ def main() -> None:
     from jaxserve import LLM, SamplingParams
 
     prompt_len = max(args.input_len, args.context)
-    llm = LLM(args.model, max_num_seqs=args.num_seqs, max_model_len=prompt_len + 2 * args.output_len + 16)
+    llm = LLM(args.model, max_num_seqs=args.num_seqs, max_model_len=prompt_len + 2 * args.output_len + 16,
+              quantization=args.quantization)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * s) % 4000 + 100 for i in range(prompt_len)]}
                for s in range(args.num_seqs)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -99,10 +99,11 @@ def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
     ("h200", ["--kv-cache-dtype", "fp8", "--programs", "forward"]),
     ("v6e:1x1", ["--quantization", "int8", "--programs", "forward"]),
     ("h200", ["--quantization", "int8", "--programs", "forward,sample"]),
-], ids=["fp8-kv-v6e", "fp8-kv-h200", "int8-v6e", "int8-h200"])
+    ("v6e:1x1", ["--quantization", "bf16", "--programs", "forward"]),
+], ids=["fp8-kv-v6e", "fp8-kv-h200", "int8-v6e", "int8-h200", "bf16-v6e"])
 def test_variants_users_pick_compile(target: str, variant: list[str]) -> None:
     """An fp8 KV cache changes the forward; int8 weights the forward and the samplers'
-    LM head."""
+    LM head; bf16 weights (the CPU's kernels off the CPU: XLA's reference) the forward."""
     _assert_clean(_preflight(target, "--only-warm-up", *variant, *FIXED_CACHE))
 
 

@@ -94,7 +94,7 @@ class PreflightReport:
         lines = [f"jaxserve preflight: {self.model} ({self.architecture}) on {self.target} "
                  f"({self.device} x {self.num_devices}): tp={s['tensor_parallel_size']} "
                  f"pp={s['pipeline_parallel_size']}, {s['dtype']} weights"
-                 f"{' (int8)' if s['quantization'] else ''}, KV cache {s['kv_cache']}, "
+                 f"{' (' + s['quantization'] + ')' if s['quantization'] else ''}, KV cache {s['kv_cache']}, "
                  f"max_model_len={s['max_model_len']}, max_num_seqs={s['max_num_seqs']}, "
                  f"max_num_batched_tokens={s['max_num_batched_tokens']}"]
         m = self.memory

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-# kernels_pallas/cpu_pool.h and any other shared header live here.
+# kernels_pallas/cpu_kernels.h and any other shared header live here.
 INCLUDE_DIR = Path(__file__).parent
 BUILD_TIMEOUT_S = 300
 # The C++ runtime linked in statically: a process may already have loaded an older

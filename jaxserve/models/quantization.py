@@ -183,6 +183,21 @@ class Dense(nn.Dense):
         return super().__call__(inputs)
 
 
+def _layer_weight(mod: nn.Module, name: str, init: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A quantized projection's leaf: a param, or inside the layer scan (`mod.num_layers` set)
+    the whole [num_layers, *shape] stack in INT8_LAYERS. `init(shape, dtype)`: jnp.zeros/ones."""
+    if mod.num_layers is None:
+        return mod.param(name, lambda _, s, d: init(s, d), shape, dtype)
+    return mod.variable(INT8_LAYERS, name, init, (mod.num_layers, *shape), dtype).value
+
+
+def _add_bias(mod: nn.Module, y: jax.Array) -> jax.Array:
+    """y plus the module's float `bias` when it has one (q/k/v biases stay float)."""
+    if not mod.use_bias:
+        return y
+    return y + mod.param("bias", nn.initializers.zeros_init(), (mod.features,), mod.dtype)
+
+
 class Int8Dense(nn.Module):
     """`nn.Dense` with int8 weights: params `qweight` [out, in], `scale` [out, groups], `bias`.
 
@@ -200,18 +215,9 @@ class Int8Dense(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         n_in = x.shape[-1]
-        shape, scale_shape = (self.features, n_in), (self.features, num_groups(n_in))
-        if self.num_layers is None:
-            qweight = self.param("qweight", nn.initializers.zeros_init(), shape, jnp.int8)
-            scale = self.param("scale", nn.initializers.ones, scale_shape, jnp.float32)
-        else:
-            L = self.num_layers
-            qweight = self.variable(INT8_LAYERS, "qweight", jnp.zeros, (L, *shape), jnp.int8).value
-            scale = self.variable(INT8_LAYERS, "scale", jnp.ones, (L, *scale_shape), jnp.float32).value
-        y = int8_matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
-        return y
+        qweight = _layer_weight(self, "qweight", jnp.zeros, (self.features, n_in), jnp.int8)
+        scale = _layer_weight(self, "scale", jnp.ones, (self.features, num_groups(n_in)), jnp.float32)
+        return _add_bias(self, int8_matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel))
 
 
 class Bf16Dense(nn.Module):
@@ -230,17 +236,9 @@ class Bf16Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-        shape = (self.features, x.shape[-1])
-        if self.num_layers is None:
-            weight = self.param("qweight", nn.initializers.zeros_init(), shape, jnp.bfloat16)
-        else:
-            weight = self.variable(INT8_LAYERS, "qweight", jnp.zeros, (self.num_layers, *shape),
-                                   jnp.bfloat16).value
-        y = bf16_kernel.bf16_matmul(x.astype(self.dtype), weight, layer,
-                                    backend="auto" if self.cpu_kernel else "reference")
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
-        return y
+        weight = _layer_weight(self, "qweight", jnp.zeros, (self.features, x.shape[-1]), jnp.bfloat16)
+        return _add_bias(self, bf16_kernel.bf16_matmul(x.astype(self.dtype), weight, layer,
+                                                       backend="auto" if self.cpu_kernel else "reference"))
 
 
 class Bf16Embed(nn.Module):

@@ -158,7 +158,7 @@ class Worker:
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         quantization = self.config.model_config.quantization
-        host_params = quantize_params(host_params, quantization)  # if not read as int8
+        host_params = quantize_params(host_params, quantization)  # if not read quantized
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
@@ -188,8 +188,8 @@ class Worker:
                 shardings = param_shardings(orbax_param_shapes(files.path), self.mesh,
                                             self.model_options.expert_parallel)
                 return arch, restore_orbax(files.path, self.dtype, shardings)
-        # Heads are padded / replicated for tp on float weights; otherwise int8 weights are
-        # read as int8, one tensor at a time.
+        # Heads are padded / replicated for tp on float weights; otherwise quantized weights
+        # are read in their format, one tensor at a time.
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
         return load_checkpoint(files, self.dtype, self.config.model_config.quantization if read_as_int8 else None)
 

@@ -9,7 +9,7 @@
 //
 // Bf16MatmulCpu (x f32): few tokens. Each bf16 weight is read once, widened to float32 in
 //   registers (a 16-bit shift: exact) and multiplied into every token's float32 accumulator;
-//   AVX2/FMA, chunks of rows on kernels_pallas/cpu_pool.h's pool. Memory-bound, so half the
+//   AVX2/FMA, chunks of rows on kernels_pallas/cpu_kernels.h's pool. Memory-bound, so half the
 //   bytes of float32 weights is what it buys.
 // Bf16MatmulOnednn (x bf16): many tokens, through oneDNN's matmul (bf16 x bf16 with float32
 //   accumulation on the CPU's bf16 units: AVX512-BF16 or AMX), when built with
@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cpu_pool.h"
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 #ifdef KERNELS_PALLAS_ONEDNN
@@ -35,12 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float hsum(__m256 a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  return _mm_cvtss_f32(h);
-}
+using kernels_pallas::hsum;
 
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float (bf16 is float32's top half)
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

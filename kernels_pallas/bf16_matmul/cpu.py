@@ -10,6 +10,7 @@ what is missing.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import logging
 import math
@@ -38,7 +39,11 @@ _LOCK = threading.Lock()
 
 def _build() -> tuple[Path, bool]:
     """The library, and whether it has oneDNN in it."""
-    headers = [cpu_build.INCLUDE_DIR / "cpu_pool.h"]
+    headers = [cpu_build.INCLUDE_DIR / "cpu_kernels.h"]
+    # Only failed builds are not cached: without oneDNN, skip the attempt at every start-up.
+    if ctypes.util.find_library("dnnl") is None:
+        _onednn_reason.append("no oneDNN library (apt-get install libdnnl-dev)")
+        return cpu_build.build("bf16_matmul_cpu", SOURCE, FLAGS, headers=headers), False
     try:
         return cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"], headers), True
     except RuntimeError as e:

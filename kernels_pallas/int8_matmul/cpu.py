@@ -32,7 +32,7 @@ _reason: list[str] = []
 
 
 def _build() -> Path:
-    return cpu_build.build("int8_matmul_cpu", SOURCE, FLAGS, headers=[cpu_build.INCLUDE_DIR / "cpu_pool.h"])
+    return cpu_build.build("int8_matmul_cpu", SOURCE, FLAGS, headers=[cpu_build.INCLUDE_DIR / "cpu_kernels.h"])
 
 
 _LOCK = threading.Lock()

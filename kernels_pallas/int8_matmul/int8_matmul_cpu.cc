@@ -11,26 +11,21 @@
 // multiplies it into every token's accumulator; `layer` selects one layer of a stacked
 // [L, N, K] operand so the layer scan passes the whole stack without slicing it.
 //
-// Threads: chunks of output rows on kernels_pallas/cpu_pool.h's pool.
+// Threads: chunks of output rows on kernels_pallas/cpu_kernels.h's pool.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
-#include "cpu_pool.h"
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float hsum(__m256 a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  return _mm_cvtss_f32(h);
-}
+using kernels_pallas::hsum;
 
 inline __m256 load8(const int8_t* p) {  // 8 int8 -> 8 float
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

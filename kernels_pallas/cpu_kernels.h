@@ -1,5 +1,5 @@
-// A small thread pool for the CPU matmul kernels (int8_matmul, bf16_matmul): a call's chunks
-// of output rows are taken from a shared counter by the calling thread and the helpers (one
+// What the CPU matmul kernels (int8_matmul, bf16_matmul) share: a horizontal sum, and a small
+// thread pool: a call's chunks of output rows are taken from a shared counter by the calling thread and the helpers (one
 // per other core, or KERNELS_PALLAS_INT8_THREADS in all), so the caller never waits for a
 // helper that has not started. One call runs at a time; each already uses every core.
 // Header-only: each kernel's shared library holds its own pool.
@@ -20,6 +20,13 @@
 #include <vector>
 
 namespace kernels_pallas {
+
+inline float hsum(__m256 a) {  // the 8 lanes' sum
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(h);
+}
 
 // Row chunks per call: enough for every core to stay busy whatever the others are doing.
 constexpr int64_t kChunks = 16;

@@ -77,5 +77,5 @@ def rejection_sample(
     emitted = rejected_before == rejected_before[group_first]
     final = emitted & ~accepted
     tokens = jnp.where(final, target, jnp.maximum(draft_ids, 0))
-    return dataclasses.replace(with_logprobs(raw_logits, tokens), emitted=emitted,
+    return dataclasses.replace(with_logprobs(raw_logits, tokens, md.logprobs), emitted=emitted,
                                final=final)

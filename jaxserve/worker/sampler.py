@@ -69,6 +69,9 @@ class SamplingMetadata:
     seeds: jax.Array  # u32
     positions: jax.Array  # i32; index of the sampled token in its sequence
     min_tokens_end: jax.Array  # i32; stop ids are masked while positions < this
+    # bool; the row's request asks for logprobs. None: every row does. A step where no row
+    # does skips the log-sum-exp, top-N and rank passes over the vocabulary.
+    logprobs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -258,7 +261,7 @@ def sample(
         scaled = scaled_logits(logits, md, mode)
         sampled = jnp.where(md.temperature <= 0.0, sampled,
                             random_sample(scaled, md.seeds, md.positions))
-    return with_logprobs(raw_logits, sampled)
+    return with_logprobs(raw_logits, sampled, md.logprobs)
 
 
 _TOP_CHUNK = 128  # vocabulary entries per chunk of top_logprobs' first level
@@ -285,16 +288,26 @@ def top_logits(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return vals, ids.astype(jnp.int32)
 
 
-def with_logprobs(raw_logits: jax.Array, sampled: jax.Array) -> SamplerOutput:
+def with_logprobs(raw_logits: jax.Array, sampled: jax.Array,
+                  wanted: jax.Array | None = None) -> SamplerOutput:
     """The sampled tokens with their logprobs (of the raw model distribution), the top-N and
-    their ranks, for every row."""
-    lse = jax.nn.logsumexp(raw_logits, axis=-1, keepdims=True)
-    top_vals, top_ids = top_logits(raw_logits, MAX_LOGPROBS)
-    sampled_logit = jnp.take_along_axis(raw_logits, sampled[:, None], axis=-1)
-    ranks = 1 + jnp.sum(raw_logits > sampled_logit, axis=-1).astype(jnp.int32)
-    return SamplerOutput(
-        sampled=sampled,
-        logprob_token_ids=jnp.concatenate([sampled[:, None], top_ids], axis=-1),
-        logprobs=jnp.concatenate([sampled_logit, top_vals], axis=-1) - lse,
-        sampled_ranks=ranks,
-    )
+    their ranks, for every row; when no row is `wanted` (bool[R]; None: all are), zeros in
+    their place (a device-side branch: the host reads them only when a request asked)."""
+    def logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        top_vals, top_ids = top_logits(logits, MAX_LOGPROBS)
+        sampled_logit = jnp.take_along_axis(logits, sampled[:, None], axis=-1)
+        ranks = 1 + jnp.sum(logits > sampled_logit, axis=-1).astype(jnp.int32)
+        return (jnp.concatenate([sampled[:, None], top_ids], axis=-1),
+                jnp.concatenate([sampled_logit, top_vals], axis=-1) - lse, ranks)
+
+    def none(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        R = logits.shape[0]
+        return (jnp.zeros((R, 1 + MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((R, 1 + MAX_LOGPROBS), jnp.float32), jnp.zeros((R,), jnp.int32))
+
+    if wanted is None:
+        ids, lps, ranks = logprobs(raw_logits)
+    else:
+        ids, lps, ranks = jax.lax.cond(jnp.any(wanted), logprobs, none, raw_logits)
+    return SamplerOutput(sampled=sampled, logprob_token_ids=ids, logprobs=lps, sampled_ranks=ranks)

@@ -29,7 +29,7 @@ def sampler_packing(num_rows: int, verify: bool = False) -> Packing:
         ("top_k", R, "i32"), ("top_p", R, "f32"), ("min_p", R, "f32"),
         ("repetition_penalty", R, "f32"), ("frequency_penalty", R, "f32"),
         ("presence_penalty", R, "f32"), ("seeds", R, "u32"), ("positions", R, "i32"),
-        ("min_tokens_end", R, "i32"),
+        ("min_tokens_end", R, "i32"), ("logprobs", R, "bool"),
     ))
 
 
@@ -56,6 +56,7 @@ def sampling_inputs(b: InputBatch, slots: np.ndarray, samples: np.ndarray,
         "seeds": rows(b.seeds, 0),
         "positions": np.concatenate([positions, np.zeros(R - n, np.int32)]),
         "min_tokens_end": rows(b.min_tokens_end, 0),
+        "logprobs": rows(b.num_logprobs >= 0, False),
         **(verify or {}),
     }
     mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],

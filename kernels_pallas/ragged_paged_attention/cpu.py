@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.ragged_paged_attention import _decode_cpu
 from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, gqa_layout
 from kernels_pallas.kv_cache import kv_cache_values
 from kernels_pallas.registry import register_backend
@@ -168,13 +169,16 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     kv_cache_dtype: str = "auto",
     plan: AttentionPlan | None = None,
+    decode_kernel: str = "auto",
     **tuning,
 ) -> jax.Array:
     """Ragged paged attention (layout: reference.py) with O(context) memory traffic.
 
     `tuning` (see `tuning_for`): `block_q`, `pages_per_block`, `decode_q_len`,
     `decode_pages_per_block`, `decode_items`, and `sliding_window`. `plan` is this step's
-    `make_plan(...)` (made here when not given). Returns `[num_tokens, num_q_heads, head_dim]` in
+    `make_plan(...)` (made here when not given). `decode_kernel`: "auto" runs the decode rows
+    through the C++ kernel (`decode_cpu.cc`) where it loads and takes the cache, "xla" keeps
+    them in the XLA loop (its oracle). Returns `[num_tokens, num_q_heads, head_dim]` in
     `q.dtype`, zeros on padding rows.
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
@@ -214,7 +218,19 @@ def ragged_paged_attention(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    out = _decode(qf, plan, tn, read_keys, scores, mask_value)
+    if decode_kernel not in ("auto", "xla"):
+        raise ValueError(f"decode_kernel must be 'auto' or 'xla', not {decode_kernel!r}")
+    use_kernel = decode_kernel == "auto" and _decode_cpu.why_not(
+        num_q_heads, num_kv_heads, head_dim, page_size, kv_pages.dtype, kv_cache_dtype,
+        k_scale is not None or v_scale is not None) is None
+    if use_kernel:
+        rows = _decode_cpu.paged_decode_attention(
+            q.astype(jnp.float32)[plan.row_token], kv_pages, page_indices, plan.row_seq,
+            plan.row_pos, jnp.sum(plan.decode_token), sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=tn.sliding_window)
+        out = rows.reshape(-1, num_kv_heads, group, head_dim)[plan.decode_rank]
+    else:
+        out = _decode(qf, plan, tn, read_keys, scores, mask_value)
     if num_tokens > tn.decode_q_len:  # else every real row is a decode row
         out = jnp.where(plan.decode_token[:, None, None, None], out,
                         _prefill(qf, plan, tn, read_keys, scores, mask_value))
@@ -333,7 +349,8 @@ register_backend(
     platforms=("cpu",),
     description="XLA loops: prefill blocks read their keys once, decode (token, key block) "
                 "items bounded by each token's own context; the CPU serving path",
+    # The first runs the decode rows through the C++ kernel, the second through the XLA loop.
     test_tuning=({}, {"block_q": 4, "pages_per_block": 1, "decode_pages_per_block": 1,
-                      "decode_items": 3}),
+                      "decode_items": 3, "decode_kernel": "xla"}),
     reads_kv_bits=True,
 )

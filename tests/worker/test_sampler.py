@@ -27,7 +27,7 @@ def metadata(**kw) -> SamplingMetadata:
         seeds=np.arange(R, dtype=np.uint32), positions=np.zeros(R, np.int32),
         min_tokens_end=np.zeros(R, np.int32),
     )
-    base.update({k: np.asarray(v, base[k].dtype) for k, v in kw.items()})
+    base.update({k: np.asarray(v, base[k].dtype if k in base else None) for k, v in kw.items()})
     return SamplingMetadata(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
@@ -282,3 +282,20 @@ def test_inverse_cdf_sample_follows_the_distribution_over_chunks() -> None:
     ends = np.asarray(inverse_cdf_sample(jnp.asarray(np.tile(row, (2, 1))),
                                          jnp.asarray([0.0, np.nextafter(1.0, 0.0)], jnp.float32)))
     assert ends.tolist() == [3, vocab - 2]
+
+
+def test_logprobs_are_skipped_only_when_no_row_asks(logits) -> None:
+    """A step where no request asks for logprobs skips their passes over the vocabulary (zeros
+    come back, never read); one asking row brings every row's real values, as with None."""
+    prompt_mask, counts = np.zeros((R, V), bool), np.zeros((R, V), np.int32)
+    run = jax.jit(lambda md: sample(jnp.asarray(logits), prompt_mask, counts, md))
+    every = run(metadata(temperature=np.zeros(R)))
+    none = run(metadata(temperature=np.zeros(R), logprobs=np.zeros(R, bool)))
+    one = run(metadata(temperature=np.zeros(R), logprobs=np.eye(1, R, 2, dtype=bool)[0]))
+    np.testing.assert_array_equal(none.sampled, every.sampled)
+    assert not np.asarray(none.logprobs).any() and not np.asarray(none.sampled_ranks).any()
+    want = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(every.logprobs)[:, 1],
+                               np.sort(want, axis=-1)[:, -1], rtol=1e-5)
+    for field in ("logprob_token_ids", "logprobs", "sampled_ranks"):
+        np.testing.assert_array_equal(getattr(one, field), getattr(every, field))

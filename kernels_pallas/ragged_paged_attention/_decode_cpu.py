@@ -1,0 +1,95 @@
+"""Build, load and call the C++ decode attention (`decode_cpu.cc`, an XLA FFI handler).
+
+Built on first use by `kernels_pallas.cpu_build`; `available()` says whether it loaded and
+`unavailable_reason()` why not. `why_not(...)` names what a call's operands lack; cpu.py then
+keeps its XLA decode loop (the kernel's oracle in the tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import cpu_build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_cpu.cc")
+TARGET = "kernels_pallas_paged_decode_attention_cpu"
+FLAGS = ("-mavx2", "-mfma")
+MAX_GROUP = 16  # q heads per kv head (the kernel's static bound)
+MAX_KV_HEADS = 64  # kv heads on one device (the same)
+CHUNK_KEYS = 256  # keys per work item; a page size must divide it
+
+_reason: list[str] = []
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _load_once() -> bool:
+    try:
+        path = cpu_build.build("decode_attention_cpu", SOURCE, FLAGS,
+                               headers=[cpu_build.INCLUDE_DIR / "cpu_kernels.h"])
+        lib = ctypes.CDLL(str(path))
+        if not lib.paged_decode_attention_supported():
+            raise RuntimeError("this CPU lacks AVX2/FMA")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedDecodeAttentionCpu),
+                                    platform="cpu")
+    except Exception as e:  # any failure means: use the XLA loop
+        _reason.append(str(e))
+        logger.warning("CPU decode attention kernel unavailable, using the XLA loop: %s", e)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (the first call builds it, once per machine)."""
+    with _LOCK:
+        return _load_once()
+
+
+def unavailable_reason() -> str | None:
+    return _reason[0] if _reason else None
+
+
+def why_not(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+            cache_dtype, kv_cache_dtype: str, scaled: bool) -> str | None:
+    """Why the kernel cannot take this call (None: it can)."""
+    if kv_cache_dtype.startswith("fp8") or scaled:
+        return "fp8 / scaled caches take the XLA loop"
+    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"cache must be float32 or bfloat16, not {jnp.dtype(cache_dtype)}"
+    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
+        return f"GQA group {num_q_heads}/{num_kv_heads} above {MAX_GROUP}"
+    if num_kv_heads > MAX_KV_HEADS:
+        return f"{num_kv_heads} kv heads above {MAX_KV_HEADS}"
+    if head_dim % 8:
+        return f"head_dim {head_dim} not a multiple of 8"
+    if CHUNK_KEYS % page_size or page_size % 8:
+        return f"page size {page_size}: must divide {CHUNK_KEYS} and be a multiple of 8"
+    if not available():
+        return unavailable_reason() or "not built"
+    return None
+
+
+def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax.Array,
+                           row_seq: jax.Array, row_pos: jax.Array, num_rows: jax.Array, *,
+                           sm_scale: float, soft_cap: float | None,
+                           sliding_window: int | None) -> jax.Array:
+    """q f32 [R, qh, D] (one query row each, at position `row_pos` of sequence `row_seq`),
+    `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 -> f32 [R, qh, D]; rows past
+    `num_rows` (i32[1]) are zeros."""
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")(
+        q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32),
+        row_seq.astype(jnp.int32), row_pos.astype(jnp.int32),
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+        sliding_window=np.int64(sliding_window or 0))

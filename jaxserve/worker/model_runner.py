@@ -86,14 +86,19 @@ class ModelRunner:
         max_verify_rows: int = 0,
         record_sampled: bool = True,
         abstract: bool = False,
+        logprobs_branch: bool = False,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
         `record_sampled`: keep sampled tokens in the input batch once a step's result is
         read (steps whose tokens are all known then do not wait for the previous sampler).
         `abstract`: allocate nothing; the device state is ShapeDtypeStructs, for compiling
-        `programs()` on devices this process may not have (preflight, KV-cache sizing)."""
+        `programs()` on devices this process may not have (preflight, KV-cache sizing).
+        `logprobs_branch`: a step where no row asks for logprobs skips their passes over the
+        vocabulary, by a data-dependent branch on the device: for the CPU only (on GPU/TPU
+        such a branch can synchronise with the host; scripts/export_step.py refuses it)."""
         self.stages = stages
+        self.logprobs_branch = logprobs_branch
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
         self.params = last.params
@@ -220,7 +225,8 @@ class ModelRunner:
         u = sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
         drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
-        md = SamplingMetadata(**u)
+        wanted = u.pop("logprobs")
+        md = SamplingMetadata(**u, logprobs=wanted if self.logprobs_branch else None)
         # The barrier keeps the row slice out of the LM head's GEMM fusion: XLA's Triton GEMM
         # emitter fails on a fused one-row slice (R = 1 on H100/H200: "Reshape input and output
         # shapes must be the same, got 1x16 -> 16x8"). An identity: the logits are the same.

@@ -290,6 +290,7 @@ class Worker:
             # each step at once) would know them, its inputs would differ from process 0's.
             record_sampled=not sc.async_scheduling,
             abstract=abstract,
+            logprobs_branch=self.platform == "cpu",
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

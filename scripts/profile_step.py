@@ -22,7 +22,7 @@ import time
 
 
 # XLA CPU thunk names (numeric suffix dropped) -> what they are in a decoder step.
-_GROUPS = (("matmul (YNNPACK / oneDNN / Eigen dots, kernels_pallas FFI matmuls)",
+_GROUPS = (("matmul (YNNPACK / oneDNN / Eigen dots; kernels_pallas FFI: matmuls, decode attention)",
             ("ynn_fusion", "dot", "onednn", "convolution", "ffi_call", "custom-call")),
            ("layer-scan weight slices", ("dynamic-slice",)),
            ("gathers (KV pages, embedding, penalty rows)", ("gather",)),

@@ -21,6 +21,10 @@ is read about once per query *block* and every loop is bounded by the real work:
         few items and never pays for a long neighbour; partial softmax results are merged
         per token with scatter-max / scatter-add (a split-K "flash decoding" merge).
 
+The decode items above are the XLA path; where the C++ kernel loads and takes the cache
+(`_decode_cpu.why_not`), the decode rows go to it instead (`decode_cpu.cc`: each row's pages
+read in place, in 256-key chunks over every core), and the XLA loop is its oracle.
+
 Both loops are `lax.fori_loop`s with data-dependent trip counts (while loops): on the CPU they
 cost no host round trip, and an absent kind of work costs zero iterations. What depends only
 on the lengths (the work lists) is an `AttentionPlan`, built once per step by `make_plan()` and
@@ -225,8 +229,8 @@ def ragged_paged_attention(
         k_scale is not None or v_scale is not None) is None
     if use_kernel:
         rows = _decode_cpu.paged_decode_attention(
-            q.astype(jnp.float32)[plan.row_token], kv_pages, page_indices, plan.row_seq,
-            plan.row_pos, jnp.sum(plan.decode_token), sm_scale=sm_scale, soft_cap=soft_cap,
+            qf[plan.row_token].reshape(-1, num_q_heads, head_dim), kv_pages, page_indices,
+            plan.row_seq, plan.row_pos, jnp.sum(plan.decode_token), sm_scale=sm_scale, soft_cap=soft_cap,
             sliding_window=tn.sliding_window)
         out = rows.reshape(-1, num_kv_heads, group, head_dim)[plan.decode_rank]
     else:
@@ -347,8 +351,9 @@ register_backend(
     _cpu_backend,
     plan=make_plan,
     platforms=("cpu",),
-    description="XLA loops: prefill blocks read their keys once, decode (token, key block) "
-                "items bounded by each token's own context; the CPU serving path",
+    description="prefill: XLA loops, blocks that read their keys once; decode: a C++ kernel "
+                "reading each token's own pages in place (the XLA loop of (token, key block) "
+                "items where it cannot); the CPU serving path",
     # The first runs the decode rows through the C++ kernel, the second through the XLA loop.
     test_tuning=({}, {"block_q": 4, "pages_per_block": 1, "decode_pages_per_block": 1,
                       "decode_items": 3, "decode_kernel": "xla"}),

@@ -197,7 +197,7 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
         worker.arch.architecture, {
             "tensor_parallel_size": pc.tensor_parallel_size,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
-            "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": config.model_config.quantization,
+            "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": worker.quantization,
             "kv_cache": f"{layout.dtype}{' packed' if layout.packed else ''}",
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,

@@ -69,7 +69,8 @@ def main() -> None:
     chats = [[{"role": "user", "content": t}] for t in PROMPTS[: args.prompts]]
     texts = {}
     for q in (None, args.quantization):  # greedy text of each, through the engine
-        llm = LLM(quantization=q, max_model_len=1024, max_num_seqs=16)
+        llm = LLM(quantization=q, dtype="float32" if q is None else "auto", max_model_len=1024,
+                  max_num_seqs=16)
         texts[q] = [o.outputs[0] for o in llm.chat(chats, sp, use_tqdm=False)]
         llm.shutdown()
     arch, host = load_checkpoint(files, np.float32)

@@ -1,10 +1,14 @@
-"""Shared test setup: JAX on the CPU in float32, with the persistent compilation cache."""
+"""Shared test setup: JAX on the CPU in float32 (no bf16 weights by default), with the persistent
+compilation cache."""
 
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's references are float32: `--dtype auto` keeps float32 weights on CPUs with bf16
+# units too (tests/models/test_cpu_default.py holds the bf16 default).
+os.environ.setdefault("JAXSERVE_CPU_AUTO_BF16", "0")
 
 import pytest  # noqa: E402
 

@@ -81,7 +81,9 @@ class EngineArgs:
     tokenizer: str | None = field(default=None, metadata=_arg(
         "model", "HF directory or .gguf file of the tokenizer, if not the model's"))
     dtype: str = field(default="auto", metadata=_arg(
-        "model", "weights and activations (auto: float32 on the CPU, bfloat16 elsewhere)",
+        "model", "weights and activations (auto: bfloat16 on GPU/TPU; on the CPU float32, with "
+        "bfloat16 weights (as --quantization bf16) for dense models where the CPU has AVX512-BF16 "
+        "or AMX)",
         choices=["auto", "float32", "bfloat16", "float16"]))
     max_model_len: int | None = field(default=None, metadata=_arg(
         "model", "context length (default: the model's)", type=human_readable_int))

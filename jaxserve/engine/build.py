@@ -40,9 +40,11 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     worker.load_model()
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
-                config.model_config.quantization or np.dtype(worker.dtype).name)
+                worker.quantization or np.dtype(worker.dtype).name)
+    if config.model_config.quantization is None and worker.platform == "cpu":
+        logger.info("weights: %s", worker.quantization_reason)
     if worker.weight_matmul:
-        logger.info("%s matmul: %s", config.model_config.quantization, worker.weight_matmul)
+        logger.info("%s matmul: %s", worker.quantization, worker.weight_matmul)
     sc = dataclasses.replace(config.scheduler_config, max_model_len=worker.max_model_len)
     config = dataclasses.replace(
         config,

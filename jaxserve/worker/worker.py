@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -99,6 +100,33 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     return requested
 
 
+# Set to 0 to keep float32 weights under `--dtype auto` on CPUs with bf16 units (the test suite
+# does: its references are float32).
+CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
+
+
+def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
+                         arch: "ArchConfig | None") -> tuple[str | None, str]:
+    """The weight format the model runs, and why. An explicit `--quantization` is kept. With
+    `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
+    dense model with one device per stage gets bf16 weights (activations and sums stay
+    float32): it is the fastest path there, and its greedy agreement with float32 is README's
+    "Quantization" figure. Everything else keeps the dtype's float weights."""
+    if quantization is not None:
+        return quantization, "--quantization"
+    if dtype != "auto" or platform != "cpu":
+        return None, f"--dtype {dtype} on {platform}"
+    if os.environ.get(CPU_AUTO_BF16_ENV, "1") == "0":
+        return None, f"{CPU_AUTO_BF16_ENV}=0"
+    if tp > 1 or pp > 1:
+        return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
+    if arch is not None and arch.num_experts:
+        return None, "float32 weights: bf16 does not cover mixture-of-experts models"
+    if not bf16_kernel.cpu.onednn_available():
+        return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
+    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (JAXSERVE_CPU_AUTO_BF16=0 or --dtype float32 keeps float32)"
+
+
 def weight_matmul_path(quantization: str | None, platform: str, tp: int) -> str | None:
     """Which matmul a quantized model's projections run (logged at start-up: slow decode ->
     look here); None for float weights."""
@@ -132,12 +160,20 @@ class Worker:
         self.mesh = make_mesh(config.parallel_config, devices)
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
+        pc = config.parallel_config
+        auto_cpu = (config.model_config.quantization is None and self.platform == "cpu"
+                    and config.model_config.dtype == "auto")
+        # The weight format in use; the config keeps what was asked (build_worker reports both).
+        self.quantization, self.quantization_reason = resolve_quantization(
+            config.model_config.quantization, config.model_config.dtype, self.platform,
+            pc.tensor_parallel_size, pc.pipeline_parallel_size,
+            read_arch(self.model_files) if auto_cpu else None)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
-            config.model_config.quantization, config.cache_config.cache_dtype,
+            self.quantization, config.cache_config.cache_dtype,
             config.parallel_config.enable_expert_parallel, self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
@@ -157,7 +193,7 @@ class Worker:
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
-        quantization = self.config.model_config.quantization
+        quantization = self.quantization
         host_params = quantize_params(host_params, quantization)  # if not read quantized
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
@@ -171,7 +207,7 @@ class Worker:
         self.arch = read_arch(self.model_files)
         self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         self.run_arch = adapted_arch(self.arch, tp)
-        quantization = self.config.model_config.quantization
+        quantization = self.quantization
         self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
@@ -180,7 +216,7 @@ class Worker:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and
         no pipeline split, device arrays restored straight into their shardings."""
         files, pc = self.model_files, self.config.parallel_config
-        quantized = self.config.model_config.quantization is not None
+        quantized = self.quantization is not None
         if files.format == ModelFormat.ORBAX and pc.pipeline_parallel_size == 1 and not quantized:
             arch = read_orbax_arch(files.path)
             lay = head_layout(arch, tp)
@@ -191,7 +227,7 @@ class Worker:
         # Heads are padded / replicated for tp on float weights; otherwise quantized weights
         # are read in their format, one tensor at a time.
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
-        return load_checkpoint(files, self.dtype, self.config.model_config.quantization if read_as_int8 else None)
+        return load_checkpoint(files, self.dtype, self.quantization if read_as_int8 else None)
 
     @property
     def kv_layout(self) -> kernels_pallas.KVCacheLayout:

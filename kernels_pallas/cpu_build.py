@@ -8,17 +8,22 @@ share one build (written to a temporary name, then renamed).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jaxlib
+
+logger = logging.getLogger(__name__)
 
 # kernels_pallas/cpu_kernels.h and any other shared header live here.
 INCLUDE_DIR = Path(__file__).parent
@@ -73,3 +78,57 @@ def build(name: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
         os.replace(tmp_out, out)  # atomic: a concurrent build of the same key is identical
     return out
+
+
+class FfiLibrary:
+    """A C++ kernel library built on first use, its XLA FFI handlers registered for the CPU;
+    or, when it cannot be (no compiler, a failed build, a CPU without what `supported` checks),
+    the reason, so callers take their XLA path. Thread-safe: one build and one registration
+    when several threads trace at once."""
+
+    def __init__(self, name: str, source: Path, flags: Sequence[str], handlers: dict[str, str],
+                 supported: str, what: str, fallback: str, lacks: str = "AVX2/FMA") -> None:
+        """`handlers`: FFI target name -> the library's handler symbol; `supported`: a C
+        function of the library returning nonzero when this CPU can run it; `what` and
+        `fallback` word the warning ("CPU {what} unavailable, {fallback}: why")."""
+        self.name, self.source, self.flags = name, source, tuple(flags)
+        self.handlers, self.supported, self.lacks = handlers, supported, lacks
+        self.what, self.fallback = what, fallback
+        self._lib: ctypes.CDLL | None = None
+        self._reason: str | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def build(self) -> tuple[Path, bool]:
+        """The library's path and whether it has its optional parts (subclasses: oneDNN)."""
+        return build(self.name, self.source, self.flags, headers=[INCLUDE_DIR / "cpu_kernels.h"]), False
+
+    def registered(self, lib: ctypes.CDLL, optional: bool) -> None:
+        """Called once the required handlers are registered (subclasses: optional ones)."""
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (then `unavailable_reason()` says why)."""
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    path, optional = self.build()
+                    lib = ctypes.CDLL(str(path))
+                    if not getattr(lib, self.supported)():
+                        raise RuntimeError(f"this CPU lacks {self.lacks}")
+                    for target, symbol in self.handlers.items():
+                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                                    platform="cpu")
+                    self.registered(lib, optional)
+                    self._lib = lib
+                except Exception as e:  # noqa: BLE001 - any failure means: the caller's XLA path
+                    self._reason = str(e)
+                    logger.warning("CPU %s unavailable, %s: %s", self.what, self.fallback, e)
+            return self._lib
+
+    def available(self) -> bool:
+        """Whether the library is built and its handlers registered (builds it on first call)."""
+        return self.load() is not None
+
+    def unavailable_reason(self) -> str | None:
+        return self._reason

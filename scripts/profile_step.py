@@ -99,6 +99,7 @@ def main() -> None:
         llm.generate(prompts, greedy, use_tqdm=False)
     wall = time.perf_counter() - t0
     llm.shutdown()
+    print("trace dir:", out_dir)
     xspace = glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True)
     data, _ = raw_to_tool_data.xspace_to_tool_data(xspace, "trace_viewer", {})
     ops = op_self_times(json.loads(data)["traceEvents"])

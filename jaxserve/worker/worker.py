@@ -106,7 +106,7 @@ CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
 
 
 def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
-                         arch: "ArchConfig | None") -> tuple[str | None, str]:
+                         arch: ArchConfig | None) -> tuple[str | None, str]:
     """The weight format the model runs, and why. An explicit `--quantization` is kept. With
     `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
     dense model with one device per stage gets bf16 weights (activations and sums stay

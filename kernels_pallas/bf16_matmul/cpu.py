@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
-import logging
 import math
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas import cpu_build
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_matmul_cpu.cc")
 TARGET = "kernels_pallas_bf16_matmul_cpu"
@@ -32,64 +27,59 @@ ONEDNN_FLAGS = ("-DKERNELS_PALLAS_ONEDNN",)
 # The kernel's vector loop takes 32 inputs at a time.
 K_MULTIPLE = 32
 
-_reason: list[str] = []
-_onednn_reason: list[str] = []
-_LOCK = threading.Lock()
+
+class _Library(cpu_build.FfiLibrary):
+    """The kernel library, with oneDNN's matmul in it when the build finds oneDNN."""
+
+    def __init__(self) -> None:
+        super().__init__("bf16_matmul_cpu", SOURCE, FLAGS, {TARGET: "Bf16MatmulCpu"},
+                         supported="bf16_matmul_cpu_supported", what="bf16 kernel",
+                         fallback="using XLA's matmul")
+        self.onednn = False
+        self.onednn_reason: str | None = None
+
+    def build(self) -> tuple[Path, bool]:
+        headers = [cpu_build.INCLUDE_DIR / "cpu_kernels.h"]
+        # Only failed builds are not cached: without oneDNN, skip the attempt at every start-up.
+        if ctypes.util.find_library("dnnl") is None:
+            self.onednn_reason = "no oneDNN library (apt-get install libdnnl-dev)"
+        else:
+            try:
+                return cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"],
+                                       headers), True
+            except RuntimeError as e:
+                self.onednn_reason = f"no oneDNN to build against (apt-get install libdnnl-dev): {str(e)[-300:]}"
+        return cpu_build.build(self.name, SOURCE, FLAGS, headers=headers), False
+
+    def registered(self, lib: ctypes.CDLL, optional: bool) -> None:
+        if optional and not lib.bf16_matmul_onednn_native():
+            self.onednn_reason = "this CPU has neither AVX512-BF16 nor AMX (oneDNN would emulate bf16)"
+        elif optional:
+            jax.ffi.register_ffi_target(ONEDNN_TARGET, jax.ffi.pycapsule(lib.Bf16MatmulOnednn),
+                                        platform="cpu")
+            self.onednn = True
 
 
-def _build() -> tuple[Path, bool]:
-    """The library, and whether it has oneDNN in it."""
-    headers = [cpu_build.INCLUDE_DIR / "cpu_kernels.h"]
-    # Only failed builds are not cached: without oneDNN, skip the attempt at every start-up.
-    if ctypes.util.find_library("dnnl") is None:
-        _onednn_reason.append("no oneDNN library (apt-get install libdnnl-dev)")
-        return cpu_build.build("bf16_matmul_cpu", SOURCE, FLAGS, headers=headers), False
-    try:
-        return cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"], headers), True
-    except RuntimeError as e:
-        _onednn_reason.append(f"no oneDNN to build against (apt-get install libdnnl-dev): {str(e)[-300:]}")
-    return cpu_build.build("bf16_matmul_cpu", SOURCE, FLAGS, headers=headers), False
-
-
-@functools.cache
-def _load_once() -> tuple[bool, bool]:
-    try:
-        path, with_onednn = _build()
-        lib = ctypes.CDLL(str(path))
-        if not lib.bf16_matmul_cpu_supported():
-            raise RuntimeError("this CPU lacks AVX2/FMA")
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Bf16MatmulCpu), platform="cpu")
-    except Exception as e:  # any failure means: use the XLA reference
-        _reason.append(str(e))
-        logger.warning("CPU bf16 kernel unavailable, using XLA's matmul: %s", e)
-        return False, False
-    if with_onednn and not lib.bf16_matmul_onednn_native():
-        _onednn_reason.append("this CPU has neither AVX512-BF16 nor AMX (oneDNN would emulate bf16)")
-        with_onednn = False
-    if with_onednn:
-        jax.ffi.register_ffi_target(ONEDNN_TARGET, jax.ffi.pycapsule(lib.Bf16MatmulOnednn), platform="cpu")
-    return True, with_onednn
+_LIBRARY = _Library()
 
 
 def available() -> bool:
     """Whether the few-token kernel is built and registered (the first call builds, once per
     machine, loads and registers it, or records why it cannot)."""
-    with _LOCK:  # one build and one registration when several threads trace at once
-        return _load_once()[0]
+    return _LIBRARY.available()
 
 
 def onednn_available() -> bool:
     """Whether oneDNN's bf16 matmul is built, registered, and native on this CPU."""
-    with _LOCK:
-        return _load_once()[1]
+    return _LIBRARY.available() and _LIBRARY.onednn
 
 
 def unavailable_reason() -> str | None:
-    return _reason[0] if _reason else None
+    return _LIBRARY.unavailable_reason()
 
 
 def onednn_unavailable_reason() -> str | None:
-    return unavailable_reason() or (_onednn_reason[-1] if _onednn_reason else None)
+    return unavailable_reason() or _LIBRARY.onednn_reason
 
 
 def why_not(x: jax.Array, weight: jax.Array) -> str | None:

@@ -8,11 +8,7 @@ reason in `unavailable_reason()`) and callers use the XLA reference.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 import math
-import threading
 from pathlib import Path
 
 import jax
@@ -20,47 +16,25 @@ import jax.numpy as jnp
 
 from kernels_pallas import cpu_build
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("int8_matmul_cpu.cc")
 TARGET = "kernels_pallas_int8_matmul_cpu"
 FLAGS = ("-mavx2", "-mfma")
 # The kernel's vector loop takes 32 inputs at a time within a group.
 K_MULTIPLE = 32
 
-_reason: list[str] = []
-
-
-def _build() -> Path:
-    return cpu_build.build("int8_matmul_cpu", SOURCE, FLAGS, headers=[cpu_build.INCLUDE_DIR / "cpu_kernels.h"])
-
-
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _load_once() -> bool:
-    try:
-        lib = ctypes.CDLL(str(_build()))
-        if not lib.int8_matmul_cpu_supported():
-            raise RuntimeError("this CPU lacks AVX2/FMA")
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Int8MatmulCpu), platform="cpu")
-        return True
-    except Exception as e:  # any failure means: use the XLA reference
-        _reason.append(str(e))
-        logger.warning("CPU int8 kernel unavailable, using XLA's int8 matmul: %s", e)
-        return False
+_LIBRARY = cpu_build.FfiLibrary("int8_matmul_cpu", SOURCE, FLAGS, {TARGET: "Int8MatmulCpu"},
+                               supported="int8_matmul_cpu_supported",
+                               what="int8 kernel", fallback="using XLA's int8 matmul")
 
 
 def available() -> bool:
     """Whether the kernel is built and registered: the first call builds (once per machine),
     loads and registers it, or records why it cannot."""
-    with _LOCK:  # one build and one registration when several threads trace at once
-        return _load_once()
+    return _LIBRARY.available()
 
 
 def unavailable_reason() -> str | None:
-    return _reason[0] if _reason else None
+    return _LIBRARY.unavailable_reason()
 
 
 def why_not(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> str | None:

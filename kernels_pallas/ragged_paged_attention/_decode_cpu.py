@@ -7,10 +7,6 @@ keeps its XLA decode loop (the kernel's oracle in the tests).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import threading
 from pathlib import Path
 
 import jax
@@ -19,8 +15,6 @@ import numpy as np
 
 from kernels_pallas import cpu_build
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("decode_cpu.cc")
 TARGET = "kernels_pallas_paged_decode_attention_cpu"
 FLAGS = ("-mavx2", "-mfma")
@@ -28,35 +22,20 @@ MAX_GROUP = 16  # q heads per kv head (the kernel's static bound)
 MAX_KV_HEADS = 64  # kv heads on one device (the same)
 CHUNK_KEYS = 256  # keys per work item; a page size must divide it
 
-_reason: list[str] = []
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _load_once() -> bool:
-    try:
-        path = cpu_build.build("decode_attention_cpu", SOURCE, FLAGS,
-                               headers=[cpu_build.INCLUDE_DIR / "cpu_kernels.h"])
-        lib = ctypes.CDLL(str(path))
-        if not lib.paged_decode_attention_supported():
-            raise RuntimeError("this CPU lacks AVX2/FMA")
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedDecodeAttentionCpu),
-                                    platform="cpu")
-    except Exception as e:  # any failure means: use the XLA loop
-        _reason.append(str(e))
-        logger.warning("CPU decode attention kernel unavailable, using the XLA loop: %s", e)
-        return False
-    return True
+_LIBRARY = cpu_build.FfiLibrary("decode_attention_cpu", SOURCE, FLAGS,
+                               {TARGET: "PagedDecodeAttentionCpu"},
+                               supported="paged_decode_attention_supported",
+                               what="decode attention kernel",
+                               fallback="using the XLA loop")
 
 
 def available() -> bool:
     """Whether the kernel is built and registered (the first call builds it, once per machine)."""
-    with _LOCK:
-        return _load_once()
+    return _LIBRARY.available()
 
 
 def unavailable_reason() -> str | None:
-    return _reason[0] if _reason else None
+    return _LIBRARY.unavailable_reason()
 
 
 def why_not(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,

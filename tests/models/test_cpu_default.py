@@ -65,10 +65,9 @@ def test_default_configuration_stays_near_transformers(hf_default_model, monkeyp
     repeat transformers' first 8 tokens on most prompts."""
     import torch
 
-    from kernels_pallas.bf16_matmul import cpu
-
     from jaxserve import LLM, SamplingParams
     from jaxserve.models.tokenizer import load_tokenizer
+    from kernels_pallas.bf16_matmul import cpu
 
     monkeypatch.delenv(CPU_AUTO_BF16_ENV, raising=False)
     llm = LLM(max_model_len=512, max_num_seqs=4)

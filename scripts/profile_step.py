@@ -68,6 +68,19 @@ def op_self_times(trace_events: list[dict]) -> collections.Counter[str]:
     return self_time
 
 
+def ffi_calls(trace_events: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """The custom calls' (kernels_pallas FFI: matmuls, decode attention) durations (us), by
+    program and HLO op (the trace's one name for them all is `ffi_call`): e.g. the seven
+    projections and the attention of a layer are eight ops of `jit__stage_impl`, each run once
+    per layer per step; the LM head is `jit__sample_impl`'s."""
+    calls: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for e in trace_events:
+        if e.get("ph") == "X" and e["name"].startswith("ffi_call"):
+            args = e.get("args", {})
+            calls[(args.get("hlo_module", "?"), args.get("hlo_op", e["name"]))].append(e.get("dur", 0.0))
+    return calls
+
+
 def main() -> None:
     """Profile the engine's decode steps and print where the device time goes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -99,10 +112,11 @@ def main() -> None:
         llm.generate(prompts, greedy, use_tqdm=False)
     wall = time.perf_counter() - t0
     llm.shutdown()
-    print("trace dir:", out_dir)
+    print("trace:", out_dir)
     xspace = glob.glob(os.path.join(out_dir, "**", "*.xplane.pb"), recursive=True)
     data, _ = raw_to_tool_data.xspace_to_tool_data(xspace, "trace_viewer", {})
-    ops = op_self_times(json.loads(data)["traceEvents"])
+    events = json.loads(data)["traceEvents"]
+    ops = op_self_times(events)
     total = sum(ops.values())
     if not total:
         raise SystemExit(f"no XLA ops in the trace ({xspace})")
@@ -116,6 +130,10 @@ def main() -> None:
     print(f"top {args.top} ops:")
     for name, us in ops.most_common(args.top):
         print(f"  {100 * us / total:5.1f}%  {us / 1e3:9.1f} ms  {name}")
+    calls = ffi_calls(events)
+    print("FFI calls by program and op (count, total, mean):")
+    for (module, op), durs in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
+        print(f"  {module:>18} {op:<14} {len(durs):6d}  {sum(durs) / 1e3:9.1f} ms  {sum(durs) / len(durs):9.1f} us")
 
 
 if __name__ == "__main__":

@@ -87,12 +87,13 @@ class FfiLibrary:
     when several threads trace at once."""
 
     def __init__(self, name: str, source: Path, flags: Sequence[str], handlers: dict[str, str],
-                 supported: str, what: str, fallback: str, lacks: str = "AVX2/FMA") -> None:
+                 supported: str, what: str, fallback: str) -> None:
         """`handlers`: FFI target name -> the library's handler symbol; `supported`: a C
-        function of the library returning nonzero when this CPU can run it; `what` and
-        `fallback` word the warning ("CPU {what} unavailable, {fallback}: why")."""
+        function of the library returning nonzero when this CPU has AVX2 and FMA (what every
+        kernel is built for); `what` and `fallback` word the warning ("CPU {what}
+        unavailable, {fallback}: why")."""
         self.name, self.source, self.flags = name, source, tuple(flags)
-        self.handlers, self.supported, self.lacks = handlers, supported, lacks
+        self.handlers, self.supported = handlers, supported
         self.what, self.fallback = what, fallback
         self._lib: ctypes.CDLL | None = None
         self._reason: str | None = None
@@ -115,7 +116,7 @@ class FfiLibrary:
                     path, optional = self.build()
                     lib = ctypes.CDLL(str(path))
                     if not getattr(lib, self.supported)():
-                        raise RuntimeError(f"this CPU lacks {self.lacks}")
+                        raise RuntimeError("this CPU lacks AVX2/FMA")
                     for target, symbol in self.handlers.items():
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                                     platform="cpu")

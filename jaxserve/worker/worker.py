@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -106,12 +107,13 @@ CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
 
 
 def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
-                         arch: ArchConfig | None) -> tuple[str | None, str]:
+                         arch: Callable[[], ArchConfig]) -> tuple[str | None, str]:
     """The weight format the model runs, and why. An explicit `--quantization` is kept. With
     `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
     dense model with one device per stage gets bf16 weights (activations and sums stay
     float32): it is the fastest path there, and its greedy agreement with float32 is README's
-    "Quantization" figure. Everything else keeps the dtype's float weights."""
+    "Quantization" figure. Everything else keeps the dtype's float weights. `arch` is called
+    (the checkpoint's header read) only when the answer depends on it."""
     if quantization is not None:
         return quantization, "--quantization"
     if dtype != "auto" or platform != "cpu":
@@ -120,7 +122,7 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
         return None, f"{CPU_AUTO_BF16_ENV}=0"
     if tp > 1 or pp > 1:
         return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
-    if arch is not None and arch.num_experts:
+    if arch().num_experts:
         return None, "float32 weights: bf16 does not cover mixture-of-experts models"
     if not bf16_kernel.cpu.onednn_available():
         return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
@@ -161,13 +163,10 @@ class Worker:
         self.platform = self.mesh.devices.flat[0].platform
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
         pc = config.parallel_config
-        auto_cpu = (config.model_config.quantization is None and self.platform == "cpu"
-                    and config.model_config.dtype == "auto")
         # The weight format in use; the config keeps what was asked (build_worker reports both).
         self.quantization, self.quantization_reason = resolve_quantization(
             config.model_config.quantization, config.model_config.dtype, self.platform,
-            pc.tensor_parallel_size, pc.pipeline_parallel_size,
-            read_arch(self.model_files) if auto_cpu else None)
+            pc.tensor_parallel_size, pc.pipeline_parallel_size, lambda: read_arch(self.model_files))
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         # Every stage's model runs with these (its own sub-mesh set per stage).

@@ -12,11 +12,12 @@ from jaxserve.models import ArchConfig
 from jaxserve.worker import worker as worker_mod
 from jaxserve.worker.worker import CPU_AUTO_BF16_ENV, resolve_quantization
 
-DENSE = ArchConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-MOE = ArchConfig(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                 num_experts_per_tok=2)
+_SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+# resolve_quantization takes the architecture as a reader (called only when it matters).
+DENSE = lambda: ArchConfig(architecture="LlamaForCausalLM", **_SHAPE)
+MOE = lambda: ArchConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                         **_SHAPE)
 
 
 @pytest.fixture

@@ -1,15 +1,18 @@
 """The matmul paths for the layer scan on the CPU, side by side: a 30-layer scan of the
-default model's seven projections (SmolLM2-135M shapes) at 1-512 rows, four ways:
+default model's seven projections (SmolLM2-135M shapes) at 1-512 rows, five ways:
 
 - XLA float32 (the float path: the scan slices and copies each layer's weights);
 - the int8 kernel (`--quantization int8`: whole stack, layer index);
 - bf16 weights, `kernels_pallas.bf16_matmul`'s few-token kernel (`backend="cpu"`);
-- bf16 weights through oneDNN (`backend="onednn"`; skipped where it is unavailable).
+- bf16 weights through oneDNN (`backend="onednn"`; skipped where it is unavailable);
+- bf16 weights packed once for oneDNN (`bf16_matmul_packed`, what the CPU's default runs
+  where oneDNN is native: our AVX512-BF16 kernel up to PACKED_FEW_TOKENS rows, oneDNN
+  beyond; skipped with oneDNN), and the same weights through oneDNN alone ("packed onednn").
 
 Each path's 30-layer drift from float32 is printed beside its time; `auto` picks between
-the two bf16 paths at `CPU_KERNEL_MAX_TOKENS`, which these figures are for choosing.
+the two plain bf16 paths at `CPU_KERNEL_MAX_TOKENS`, which these figures are for choosing.
 
-    python scripts/bench_bf16_matmul.py [--rows 1 4 8 16 32 64 256 512]
+    python scripts/bench_bf16_matmul.py [--rows 1 4 8 16 32 64 256 512] [--packed-few-tokens N]
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def main() -> None:
     """Print each path's time for the 30-layer scan per row count."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256, 512])
+    parser.add_argument("--packed-few-tokens", type=int, default=None,
+                        help="also time packed weights with the few-token kernel up to this many rows")
     args = parser.parse_args()
 
     import jax
@@ -46,15 +51,18 @@ def main() -> None:
         "bf16 kernel": bf16,
         "bf16 onednn": bf16,
     }
+    if bf16_cpu.onednn_available():
+        stacks["bf16 packed"] = {n: jnp.asarray(bf16_kernel.pack_weights(np.asarray(w))) for n, w in bf16.items()}
     matmul = {
         "xla f32": None,  # the scan slices: x @ w
         "int8 kernel": lambda x, qs, l: int8_kernel.int8_matmul(x, *qs, l, backend="cpu"),
         "bf16 kernel": lambda x, w, l: bf16_kernel.bf16_matmul(x, w, l, backend="cpu"),
         "bf16 onednn": lambda x, w, l: bf16_kernel.bf16_matmul(x, w, l, backend="onednn"),
+        "bf16 packed": None,  # needs each projection's width: `model` passes it
     }
     if not bf16_cpu.onednn_available():
-        print(f"oneDNN unavailable ({bf16_cpu.onednn_unavailable_reason()}): its column is skipped")
-        del stacks["bf16 onednn"], matmul["bf16 onednn"]
+        print(f"oneDNN unavailable ({bf16_cpu.onednn_unavailable_reason()}): its columns are skipped")
+        del stacks["bf16 onednn"], matmul["bf16 onednn"], matmul["bf16 packed"]
 
     def layer(mm, h: jax.Array) -> jax.Array:
         q, k, v = mm("q", h), mm("k", h), mm("v", h)
@@ -62,7 +70,11 @@ def main() -> None:
         x = h / jnp.sqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)  # keep 30 layers finite
         return h + mm("d", jax.nn.silu(mm("g", x)) * mm("u", x))
 
-    def model(name: str):
+    def model(name: str, few: int = bf16_kernel.PACKED_FEW_TOKENS):
+        if name == "bf16 packed":
+            return jax.jit(lambda x, W: jax.lax.scan(
+                lambda h, l: (layer(lambda n, a: bf16_kernel.bf16_matmul_packed(a, W[n], shapes[n][1], l, few), h),
+                              None), x, jnp.arange(L, dtype=jnp.int32))[0])
         if matmul[name] is None:
             return jax.jit(lambda x, W: jax.lax.scan(
                 lambda h, w: (layer(lambda n, a: a @ w[n], h), None), x, W)[0])
@@ -79,6 +91,12 @@ def main() -> None:
         return (time.perf_counter() - t) / reps * 1e3
 
     fns = {name: model(name) for name in stacks}
+    if "bf16 packed" in stacks:  # oneDNN alone on the packed weights, beside the default split
+        stacks["packed onednn"] = stacks["bf16 packed"]
+        fns["packed onednn"] = model("bf16 packed", few=0)
+        if args.packed_few_tokens is not None:  # another split, to choose PACKED_FEW_TOKENS
+            stacks["packed split"] = stacks["bf16 packed"]
+            fns["packed split"] = model("bf16 packed", few=args.packed_few_tokens)
     for rows in args.rows:
         x = jnp.asarray(rng.standard_normal((rows, H), np.float32))
         ms = {name: bench(fns[name], x, stacks[name]) for name in stacks}

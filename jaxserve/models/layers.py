@@ -39,12 +39,13 @@ class SwiGLU(nn.Module):
     num_layers: int | None = None  # inside the layer scan (quantization.Int8Dense)
     cpu_kernel: bool = True
     activation: str = "silu"  # or "gelu_pytorch_tanh"
+    packed: bool = False  # bf16 weights packed for oneDNN (quantization.pack_params)
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         def dense(n: int, name: str) -> nn.Module:
             return quant_dense(n, False, self.dtype, self.quantization, name, self.num_layers,
-                               self.cpu_kernel)
+                               self.cpu_kernel, self.packed)
         gate = dense(self.intermediate_size, "gate_proj")(x, layer)
         up = dense(self.intermediate_size, "up_proj")(x, layer)
         act = nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)

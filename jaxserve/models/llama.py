@@ -59,6 +59,7 @@ class ModelOptions:
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
+    packed_weights: bool = False  # bf16 weights packed for oneDNN (quantization.pack_params)
 
     @property
     def cpu_kernel(self) -> bool:
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         def dense(n: int, bias: bool, name: str) -> nn.Module:
             return make_dense(n, bias, opts.dtype, opts.quantization, name, cfg.num_hidden_layers,
-                              cpu_kernel=opts.cpu_kernel)
+                              cpu_kernel=opts.cpu_kernel, packed=opts.packed_weights)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
@@ -244,7 +245,8 @@ class DecoderLayer(nn.Module):
             mlp = MoE(cfg, opts, name="mlp")
         else:
             mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
-                         cfg.num_hidden_layers, opts.cpu_kernel, name="mlp")
+                         cfg.num_hidden_layers, opts.cpu_kernel, packed=opts.packed_weights,
+                         name="mlp")
         h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
 
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
     def setup(self) -> None:
         cfg, opts = self.cfg, self.opts
         self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.quantization,
-                                       opts.cpu_kernel)
+                                       opts.cpu_kernel, opts.packed_weights and cfg.tie_word_embeddings)
         from jaxserve.models.gemma import GemmaDecoderLayer  # it builds on this file's Attention
 
         self.layers = nn.scan(
@@ -274,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0 if cfg.gemma else 0.0)
         if not cfg.tie_word_embeddings:
             self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.quantization,
-                                      cpu_kernel=opts.cpu_kernel)
+                                      cpu_kernel=opts.cpu_kernel, packed=opts.packed_weights)
 
     def __call__(
         self,

@@ -4,6 +4,10 @@ activations and accumulation stay in the model's dtype (float32 on the CPU).
 bf16: the weights rounded to bfloat16, `qweight` bf16 [..., out, in], no scale. Half the
 bytes of float32 and no scale arithmetic; on the CPU `kernels_pallas.bf16_matmul` reads them
 in place for few tokens and runs oneDNN's bf16 matmul for many (docs/benchmarks.md).
+Packed bf16 (CPU, where oneDNN's bf16 matmul is native; `pack_params` after loading): each
+projection's `qweight` becomes `packed` [..., S], reordered once into oneDNN's blocked
+layout, and every token count runs oneDNN on it without repacking per call; a tied
+embedding keeps its `qweight` rows for the lookup and gains a `packed` copy for the LM head.
 
 int8: symmetric int8 weights with per-output-channel scales in groups of 64 input channels:
 
@@ -106,6 +110,26 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
         elif name == "embed_tokens" and "embedding" in node:
             node.update(quantize_weight(node.pop("embedding"), method, in_axis=-1))
         return node
+
+    return {**params, "params": walk(params["params"], "params")}
+
+
+def pack_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """A host param tree with bf16 weights (`quantize_params(..., "bf16")`) for the CPU's
+    packed path: every projection's `qweight` [..., out, in] becomes `packed` [..., S]
+    (`kernels_pallas.bf16_matmul.pack_weights`); with `tied` embeddings the embedding keeps
+    its rows and gains `packed` ones for the LM head. The model runs it with
+    `ModelOptions.packed_weights`."""
+
+    def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
+        node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
+        q = node.get("qweight")
+        if q is None or "scale" in node or np.dtype(q.dtype) != jnp.bfloat16:
+            return node
+        if name == "embed_tokens":
+            return {**node, "packed": bf16_kernel.pack_weights(np.asarray(q))} if tied else node
+        rest = {k: v for k, v in node.items() if k != "qweight"}
+        return {**rest, "packed": bf16_kernel.pack_weights(np.asarray(q))}
 
     return {**params, "params": walk(params["params"], "params")}
 
@@ -226,6 +250,7 @@ class Bf16Dense(nn.Module):
     Inside the layer scan (`num_layers` set) `qweight` is the whole stack [num_layers, out,
     in] in the INT8_LAYERS collection and `layer` picks this layer's, as `Int8Dense`.
     `cpu_kernel=False` keeps XLA's matmul (tensor parallel: the kernels have no sharding rule).
+    `packed`: the weights are `packed` [(num_layers,) S] in oneDNN's layout (`pack_params`).
     """
 
     features: int
@@ -233,30 +258,44 @@ class Bf16Dense(nn.Module):
     dtype: Any = jnp.float32
     num_layers: int | None = None
     cpu_kernel: bool = True
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+        if self.packed:
+            size = bf16_kernel.packed_elements(self.features, x.shape[-1])
+            weight = _layer_weight(self, "packed", jnp.zeros, (size,), jnp.bfloat16)
+            return _add_bias(self, bf16_kernel.bf16_matmul_packed(x.astype(self.dtype), weight,
+                                                                  self.features, layer))
         weight = _layer_weight(self, "qweight", jnp.zeros, (self.features, x.shape[-1]), jnp.bfloat16)
         return _add_bias(self, bf16_kernel.bf16_matmul(x.astype(self.dtype), weight, layer,
                                                        backend="auto" if self.cpu_kernel else "reference"))
 
 
 class Bf16Embed(nn.Module):
-    """`nn.Embed` with bf16 rows (`qweight` [vocab, hidden]); `attend` is the tied LM head."""
+    """`nn.Embed` with bf16 rows (`qweight` [vocab, hidden]); `attend` is the tied LM head,
+    over a `packed` copy of the rows when `packed` (`pack_params`)."""
 
     num_embeddings: int
     features: int
     dtype: Any = jnp.float32
     cpu_kernel: bool = True
+    packed: bool = False
 
     def setup(self) -> None:
         self.qweight = self.param(
             "qweight", nn.initializers.zeros_init(), (self.num_embeddings, self.features), jnp.bfloat16)
+        if self.packed:
+            size = bf16_kernel.packed_elements(self.num_embeddings, self.features)
+            self.packed_rows = self.param("packed", nn.initializers.zeros_init(), (size,), jnp.bfloat16)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.qweight, ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
+        if self.packed:
+            return bf16_kernel.bf16_matmul_packed(x.astype(self.dtype), self.packed_rows,
+                                                  self.num_embeddings)
         return bf16_kernel.bf16_matmul(x.astype(self.dtype), self.qweight,
                                        backend="auto" if self.cpu_kernel else "reference")
 
@@ -285,30 +324,33 @@ class Int8Embed(nn.Module):
 
 def dense(
     features: int, use_bias: bool, dtype: Any, quantization: str | None, name: str | None = None,
-    num_layers: int | None = None, cpu_kernel: bool = True,
+    num_layers: int | None = None, cpu_kernel: bool = True, packed: bool = False,
 ) -> nn.Module:
     """The projection for a quantization method (None: float `Dense`); called `(x, layer)`.
-    `num_layers`: the module is inside the layer scan of that many layers."""
+    `num_layers`: the module is inside the layer scan of that many layers; `packed`: bf16
+    weights in oneDNN's layout (`pack_params`)."""
     if quantization == "int8":
         return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
     if quantization == "bf16":
-        return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
+        return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, packed, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def embed(
-    num_embeddings: int, features: int, dtype: Any, quantization: str | None, cpu_kernel: bool = True
+    num_embeddings: int, features: int, dtype: Any, quantization: str | None, cpu_kernel: bool = True,
+    packed: bool = False,
 ) -> nn.Module:
-    """The token embedding for a quantization method (None: float `nn.Embed`)."""
+    """The token embedding for a quantization method (None: float `nn.Embed`); `packed`: bf16
+    rows with a packed copy for the tied LM head (`pack_params`)."""
     if quantization == "int8":
         return Int8Embed(num_embeddings, features, dtype, cpu_kernel)
     if quantization == "bf16":
-        return Bf16Embed(num_embeddings, features, dtype, cpu_kernel)
+        return Bf16Embed(num_embeddings, features, dtype, cpu_kernel, packed)
     return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
 
 
 def _is_quantized_leaf(node: dict[str, Any], key: str) -> bool:
-    return "qweight" in node and key in ("qweight", "scale")
+    return ("qweight" in node or "packed" in node) and key in ("qweight", "scale", "packed")
 
 
 def _is_mixed_mlp(mlp: Any) -> bool:

@@ -82,7 +82,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
 def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
     """Rules for int8 weights (models/quantization.py): `qweight` is the float kernel
     transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale` [out, groups]
-    splits as `qweight` does (a group of inputs stays on the device holding its inputs)."""
+    splits as `qweight` does (a group of inputs stays on the device holding its inputs);
+    packed bf16 weights (`packed`) stay whole."""
     out: dict[tuple[str, ...], tuple[str, ...]] = {}
     for path, ax in axes.items():
         if path[-1] == "kernel":
@@ -90,6 +91,9 @@ def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, 
             out[(*path[:-1], "qweight")] = out[(*path[:-1], "scale")] = (*lead, outp, inp)
         elif path == ("embed_tokens", "embedding"):
             out[("embed_tokens", "qweight")] = out[("embed_tokens", "scale")] = ax
+        # Packed bf16 (the CPU, one device per stage): oneDNN's opaque [..., S] blocks, whole.
+        if path[-1] == "kernel" or path == ("embed_tokens", "embedding"):
+            out[(*path[:-1], "packed")] = ("layers", None) if path[0] == "layers" else (None,)
     return out
 
 

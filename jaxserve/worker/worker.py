@@ -29,7 +29,7 @@ from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
 from jaxserve.models.llama import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
-from jaxserve.models.quantization import param_bytes, quantize_params
+from jaxserve.models.quantization import pack_params, param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
@@ -129,7 +129,23 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
     return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (JAXSERVE_CPU_AUTO_BF16=0 or --dtype float32 keeps float32)"
 
 
-def weight_matmul_path(quantization: str | None, platform: str, tp: int) -> str | None:
+# Set to 0 to keep bf16 weights in their plain [out, in] rows on the CPU (the few-token AVX2
+# kernel and oneDNN with per-call repacking) instead of packing them for oneDNN at load.
+CPU_PACKED_WEIGHTS_ENV = "JAXSERVE_CPU_PACKED_WEIGHTS"
+
+
+def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int) -> bool:
+    """Whether bf16 weights are packed at load into oneDNN's blocked layout: on a CPU where
+    oneDNN's bf16 matmul is native, with one device per stage. Every token count then runs
+    oneDNN without repacking the weights per call, faster than the plain-row paths at every
+    batch size measured (docs/benchmarks.md, "Packed bf16 weights")."""
+    return (quantization == "bf16" and platform == "cpu" and tp == 1 and pp == 1
+            and os.environ.get(CPU_PACKED_WEIGHTS_ENV, "1") != "0"
+            and bf16_kernel.packing_available())
+
+
+def weight_matmul_path(quantization: str | None, platform: str, tp: int,
+                       packed: bool = False) -> str | None:
     """Which matmul a quantized model's projections run (logged at start-up: slow decode ->
     look here); None for float weights."""
     if quantization is None:
@@ -138,6 +154,9 @@ def weight_matmul_path(quantization: str | None, platform: str, tp: int) -> str 
         return "XLA (widen + dot, fused)"
     if tp > 1:
         return "XLA (tensor parallel: the CPU kernels have no sharding rule)"
+    if packed:
+        return (f"oneDNN bf16 on weights packed at load, every token count "
+                f"({CPU_PACKED_WEIGHTS_ENV}=0 keeps plain rows)")
     if quantization == "int8":
         if not int8_kernel.cpu.available():
             return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"
@@ -170,10 +189,12 @@ class Worker:
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         # Every stage's model runs with these (its own sub-mesh set per stage).
+        self.packed_weights = resolve_packed_weights(
+            self.quantization, self.platform, pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
             self.quantization, config.cache_config.cache_dtype,
-            config.parallel_config.enable_expert_parallel, self.platform)
+            config.parallel_config.enable_expert_parallel, self.platform, self.packed_weights)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
@@ -194,9 +215,11 @@ class Worker:
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         quantization = self.quantization
         host_params = quantize_params(host_params, quantization)  # if not read quantized
+        if self.packed_weights:
+            host_params = pack_params(host_params, self.run_arch.tie_word_embeddings)
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
+        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp, self.packed_weights)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def load_abstract_model(self) -> None:
@@ -209,7 +232,7 @@ class Worker:
         quantization = self.quantization
         self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp)
+        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp, self.packed_weights)
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and

@@ -12,20 +12,34 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import cpu_build
 
 SOURCE = Path(__file__).with_name("bf16_matmul_cpu.cc")
 TARGET = "kernels_pallas_bf16_matmul_cpu"
 ONEDNN_TARGET = "kernels_pallas_bf16_matmul_onednn"
+ONEDNN_PACKED_TARGET = "kernels_pallas_bf16_matmul_onednn_packed"
 FLAGS = ("-mavx2", "-mfma")
 ONEDNN_FLAGS = ("-DKERNELS_PALLAS_ONEDNN",)
 # The kernel's vector loop takes 32 inputs at a time.
 K_MULTIPLE = 32
+
+
+def quiet_openmp_threads() -> None:
+    """Let oneDNN's OpenMP threads sleep as soon as a matmul ends, unless the user chose
+    (GOMP_SPINCOUNT / OMP_WAIT_POLICY). GNU OpenMP's threads otherwise spin for a while
+    after each parallel region, and on a CPU with few cores that spinning takes the cores
+    from XLA's threads, which run the rest of the step between two matmuls (measured:
+    docs/benchmarks.md, "Packed bf16 weights"). libgomp reads this when it loads, which is
+    with oneDNN, just after this."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "0")
 
 
 class _Library(cpu_build.FfiLibrary):
@@ -37,6 +51,7 @@ class _Library(cpu_build.FfiLibrary):
                          fallback="using XLA's matmul")
         self.onednn = False
         self.onednn_reason: str | None = None
+        self.lib: ctypes.CDLL | None = None  # for the packing functions, once oneDNN loaded
 
     def build(self) -> tuple[Path, bool]:
         headers = [cpu_build.INCLUDE_DIR / "cpu_kernels.h"]
@@ -45,8 +60,10 @@ class _Library(cpu_build.FfiLibrary):
             self.onednn_reason = "no oneDNN library (apt-get install libdnnl-dev)"
         else:
             try:
-                return cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"],
-                                       headers), True
+                path = cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"],
+                                       headers)
+                quiet_openmp_threads()
+                return path, True
             except RuntimeError as e:
                 self.onednn_reason = f"no oneDNN to build against (apt-get install libdnnl-dev): {str(e)[-300:]}"
         return cpu_build.build(self.name, SOURCE, FLAGS, headers=headers), False
@@ -55,8 +72,17 @@ class _Library(cpu_build.FfiLibrary):
         if optional and not lib.bf16_matmul_onednn_native():
             self.onednn_reason = "this CPU has neither AVX512-BF16 nor AMX (oneDNN would emulate bf16)"
         elif optional:
-            jax.ffi.register_ffi_target(ONEDNN_TARGET, jax.ffi.pycapsule(lib.Bf16MatmulOnednn),
-                                        platform="cpu")
+            for target, handler in ((ONEDNN_TARGET, lib.Bf16MatmulOnednn),
+                                    (ONEDNN_PACKED_TARGET, lib.Bf16MatmulOnednnPacked)):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+            lib.bf16_matmul_onednn_packed_elements.restype = ctypes.c_int64
+            lib.bf16_matmul_onednn_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
+            lib.bf16_matmul_onednn_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                    ctypes.c_int64, ctypes.c_int64]
+            lib.bf16_matmul_packed_few_token_kernel.argtypes = [ctypes.c_int64, ctypes.c_int64]
+            lib.bf16_matmul_avx512_bf16.argtypes = []
+            lib.bf16_matmul_onednn_impl.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64]
+            self.lib = lib
             self.onednn = True
 
 
@@ -115,3 +141,66 @@ def bf16_matmul_cpu(x: jax.Array, weight: jax.Array, layer: jax.Array) -> jax.Ar
 def bf16_matmul_onednn(x: jax.Array, weight: jax.Array, layer: jax.Array) -> jax.Array:
     """oneDNN: x rounded to bf16, float32 accumulation -> [..., N] f32."""
     return _call(ONEDNN_TARGET, x.astype(jnp.bfloat16), weight, layer)
+
+
+def _onednn_lib() -> ctypes.CDLL:
+    if not onednn_available() or _LIBRARY.lib is None:
+        raise ValueError(f"oneDNN's bf16 matmul is not available: {onednn_unavailable_reason()}")
+    return _LIBRARY.lib
+
+
+def packed_elements(n: int, k: int) -> int:
+    """Elements of one [n, k] weight matrix in oneDNN's packed layout (padding included)."""
+    size = _onednn_lib().bf16_matmul_onednn_packed_elements(k, n)
+    if size < 0:
+        raise ValueError(f"oneDNN has no packed layout for a [{n}, {k}] bf16 matrix")
+    return int(size)
+
+
+def pack(weight: np.ndarray) -> np.ndarray:
+    """bf16 weights [..., N, K] -> [..., S] in oneDNN's packed layout, one matrix at a time
+    (host NumPy, at load)."""
+    lib = _onednn_lib()
+    w = np.ascontiguousarray(weight)
+    if w.dtype != jnp.bfloat16 or w.ndim < 2:
+        raise ValueError(f"pack takes bf16 weights [..., N, K], not {w.dtype} {w.shape}")
+    n, k = w.shape[-2:]
+    mats = w.reshape(-1, n, k)
+    out = np.empty((mats.shape[0], packed_elements(n, k)), jnp.bfloat16)
+    for i in range(mats.shape[0]):
+        if lib.bf16_matmul_onednn_pack(mats[i].ctypes.data, out[i].ctypes.data, k, n) != 0:
+            raise RuntimeError(f"oneDNN could not pack a [{n}, {k}] bf16 matrix")
+    return out.reshape(*w.shape[:-2], out.shape[-1])
+
+
+def packed_impl(m: int, n: int, k: int) -> str:
+    """The oneDNN implementation that runs `m` rows on packed [n, k] weights (e.g.
+    "brg:avx512_core_bf16"; a "ref" one would be slow)."""
+    buf = ctypes.create_string_buffer(128)
+    if _onednn_lib().bf16_matmul_onednn_impl(m, k, n, buf, len(buf)) != 0:
+        raise RuntimeError(f"oneDNN has no matmul for {m} rows of packed [{n}, {k}] weights")
+    return buf.value.decode()
+
+
+def few_token_kernel(n: int, k: int) -> bool:
+    """Whether the few-token kernel (AVX512-BF16) reads the packed layout of [n, k] weights
+    here; where not, every token count runs oneDNN."""
+    return bool(_onednn_lib().bf16_matmul_packed_few_token_kernel(k, n))
+
+
+def avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (what the few-token kernel on packed weights needs)."""
+    return bool(_onednn_lib().bf16_matmul_avx512_bf16())
+
+
+def bf16_matmul_onednn_packed(x: jax.Array, packed: jax.Array, layer: jax.Array, n: int,
+                              few_tokens: int) -> jax.Array:
+    """Packed weights [(L,) S] (`pack`) times x [..., K] (rounded to bf16 in the call) ->
+    [..., n] f32, float32 sums: up to `few_tokens` rows the few-token kernel where it reads
+    the layout, else oneDNN."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    y = jax.ffi.ffi_call(ONEDNN_PACKED_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                         vmap_method="sequential")(x2, packed, layer.astype(jnp.int32),
+                                                   few_tokens=np.int64(few_tokens))
+    return y.reshape(*lead, n)

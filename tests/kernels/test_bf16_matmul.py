@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.bf16_matmul import (
-    CPU_KERNEL_MAX_TOKENS, bf16_matmul, bf16_matmul_reference, cpu, cpu_path)
+    CPU_KERNEL_MAX_TOKENS, PACKED_FEW_TOKENS, bf16_matmul, bf16_matmul_packed, bf16_matmul_reference, cpu, cpu_path,
+    pack_weights, packed_elements)
 
 
 def operands(m: int, n: int, k: int, layers: int | None = None, seed: int = 0):
@@ -103,3 +104,76 @@ def test_bad_calls_raise_value_errors():
         bf16_matmul(x[:, :48], w[..., :48], 0, backend="cpu")
     with pytest.raises(ValueError, match="weights must be bfloat16"):
         bf16_matmul(x, w.astype(jnp.float32), 0, backend="cpu")
+
+
+@onednn
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 17, 64, 130])
+@pytest.mark.parametrize("n,k", [(192, 576), (40, 96), (1000, 64)])  # 40, 1000 rows: padded blocks
+def test_packed_weights_give_the_products(m: int, n: int, k: int):
+    x, w = operands(m, n, k, layers=3, seed=m + n)
+    packed = pack_weights(np.asarray(w))
+    assert packed.shape == (3, packed_elements(n, k)) and packed.dtype == jnp.bfloat16
+    assert packed.shape[-1] >= n * k
+    got = jax.jit(lambda x, p: bf16_matmul_packed(x, p, n, 2))(x, jnp.asarray(packed))
+    assert got.dtype == jnp.float32 and got.shape == (m, n)
+    # Either path (the few-token kernel up to PACKED_FEW_TOKENS, oneDNN beyond): the
+    # activations rounded to bf16, float32 sums.
+    want = float64_matmul(x.astype(jnp.bfloat16).astype(jnp.float32), w[2])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    plain = bf16_matmul(x, w, 2, backend="onednn")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=0, atol=2e-5 * np.abs(want).max())
+    # few_tokens=0: oneDNN at every row count.
+    dnnl = bf16_matmul_packed(x, jnp.asarray(packed), n, 2, few_tokens=0)
+    np.testing.assert_allclose(np.asarray(dnnl), np.asarray(bf16_matmul(x, w, 2, backend="onednn")),
+                               rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@onednn
+def test_the_few_token_kernel_reads_the_layout_onednn_picks_here():
+    # On AVX512-BF16 oneDNN blocks bf16 weights in 64 (or 32 / 48) output channels x 32
+    # inputs, which the kernel reads; a CPU whose oneDNN picks another layout runs oneDNN
+    # at every row count (correct, slower for few tokens): this test says so.
+    if not cpu.avx512_bf16():
+        pytest.skip("the few-token kernel on packed weights needs AVX512-BF16")
+    assert cpu.few_token_kernel(576, 576) and cpu.few_token_kernel(49152, 576)
+    assert not cpu.few_token_kernel(64, 48)  # K not a multiple of 32
+
+
+@onednn
+def test_packed_weights_run_on_the_bf16_units_at_every_row_count():
+    # The layout is chosen at one row count; a row count whose fast path rejected it would
+    # fall to oneDNN's reference implementation, correct but many times slower.
+    for m in (1, 8, 64, 512):
+        impl = cpu.packed_impl(m, 576, 576)
+        assert "ref" not in impl, (m, impl)
+
+
+@onednn
+def test_packed_weights_in_a_layer_scan_and_unstacked():
+    x, w = operands(5, 64, 64, layers=4)
+    packed = jnp.asarray(pack_weights(np.asarray(w)))
+    layers = jnp.arange(4, dtype=jnp.int32)
+
+    def run(matmul) -> jax.Array:
+        step = lambda h, l: (jnp.tanh(matmul(h, l)), None)
+        return jax.jit(lambda h: jax.lax.scan(step, h, layers)[0])(x)
+
+    want = run(lambda h, l: bf16_matmul(h, w, l, backend="onednn"))
+    for few in (PACKED_FEW_TOKENS, 0):  # 5 tokens: the few-token kernel, or oneDNN
+        got = run(lambda h, l: bf16_matmul_packed(h, packed, 64, l, few_tokens=few))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    one = bf16_matmul_packed(x[None], jnp.asarray(pack_weights(np.asarray(w[1]))), 64)
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(bf16_matmul(x, w, 1, backend="onednn")),
+                               rtol=1e-5, atol=1e-6)
+
+
+@onednn
+def test_packed_bad_calls_raise_value_errors():
+    x, w = operands(2, 64, 64, layers=2)
+    packed = jnp.asarray(pack_weights(np.asarray(w)))
+    with pytest.raises(ValueError, match="layer is required"):
+        bf16_matmul_packed(x, packed, 64)
+    with pytest.raises(ValueError, match=r"not \[128, 64\]"):
+        bf16_matmul_packed(x, packed, 128, 0)
+    with pytest.raises(ValueError, match="bf16 weights"):
+        pack_weights(np.asarray(w, np.float32))

@@ -10,7 +10,8 @@ import pytest
 
 from jaxserve.models import ArchConfig
 from jaxserve.worker import worker as worker_mod
-from jaxserve.worker.worker import CPU_AUTO_BF16_ENV, resolve_quantization
+from jaxserve.worker.worker import (
+    CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV, resolve_packed_weights, resolve_quantization)
 
 _SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -49,6 +50,20 @@ def test_auto_keeps_float32_without_native_bf16(monkeypatch) -> None:
     assert quant is None and "no native bf16 matmul" in reason
 
 
+def test_bf16_weights_are_packed_for_onednn_only_on_one_cpu_device(monkeypatch) -> None:
+    monkeypatch.delenv(CPU_PACKED_WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: True)
+    assert resolve_packed_weights("bf16", "cpu", 1, 1)
+    for args in [(None, "cpu", 1, 1), ("int8", "cpu", 1, 1), ("bf16", "tpu", 1, 1), ("bf16", "gpu", 1, 1),
+                 ("bf16", "cpu", 2, 1), ("bf16", "cpu", 1, 2)]:
+        assert not resolve_packed_weights(*args), args
+    monkeypatch.setenv(CPU_PACKED_WEIGHTS_ENV, "0")
+    assert not resolve_packed_weights("bf16", "cpu", 1, 1)
+    monkeypatch.delenv(CPU_PACKED_WEIGHTS_ENV)
+    monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: False)
+    assert not resolve_packed_weights("bf16", "cpu", 1, 1)
+
+
 PROMPTS = [
     "What is the capital of France?",
     "Explain photosynthesis to a ten-year-old.",
@@ -75,6 +90,7 @@ def test_default_configuration_stays_near_transformers(hf_default_model, monkeyp
     try:
         expected = "bf16" if cpu.onednn_available() else None
         assert llm.engine.worker.quantization == expected
+        assert llm.engine.worker.packed_weights == (expected == "bf16")
         tok = load_tokenizer(None)
         agree = total = same_start = 0
         for text in PROMPTS:

@@ -14,7 +14,8 @@ from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.llama import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.quantization import (
-    INT8_LAYERS, dequantize_int8, model_variables, param_bytes, param_tree, quantize_int8, quantize_params)
+    INT8_LAYERS, dequantize_int8, model_variables, pack_params, param_bytes, param_tree, quantize_int8,
+    quantize_params)
 from jaxserve.parallel.sharding import param_shardings
 from tests.models.forward import prompt_logits
 from tests.models.tiny import save_tiny_hf
@@ -218,24 +219,72 @@ def test_bf16_model_is_the_float_model_with_bf16_rounded_weights(overrides: dict
     assert np.abs(b - f).max() < 0.05 * np.abs(f).max()
 
 
-def test_bf16_weights_through_the_engine_match_float32_greedy(tmp_path) -> None:
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "plain"])
+def test_bf16_weights_through_the_engine_match_float32_greedy(packed: str, tmp_path, monkeypatch) -> None:
     from jaxserve import LLM, SamplingParams
+    from kernels_pallas.bf16_matmul import packing_available
 
+    monkeypatch.setenv("JAXSERVE_CPU_PACKED_WEIGHTS", packed)
+    packed_here = packed == "1" and packing_available()
     model_dir = save_tiny_hf("llama", str(tmp_path))
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
     sp = SamplingParams(temperature=0, max_tokens=8)
     tokens = {}
     for q in (None, "bf16"):
-        # A 40-token prefill (oneDNN where it is available) and decodes of 1-2 tokens (kernel).
+        # A 40-token prefill and decodes of 1-2 tokens: oneDNN on packed weights for both, or
+        # oneDNN (where it is available) for the prefill and the few-token kernel for decodes.
         llm = LLM(model_dir, quantization=q, max_model_len=128, max_num_seqs=4, skip_tokenizer_init=True,
                   max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, enforce_eager=True)
         if q:
-            assert llm.engine.worker.weight_matmul.startswith("CPU kernel up to 16 tokens a step")
-            stack = llm.engine.worker.stages[0].params["params"]["layers"]["mlp"]["down_proj"]["qweight"]
-            assert stack.dtype == jnp.bfloat16 and stack.ndim == 3  # [layers, out, in]
+            worker = llm.engine.worker
+            assert worker.packed_weights == packed_here
+            down = worker.stages[0].params["params"]["layers"]["mlp"]["down_proj"]
+            if packed_here:
+                assert worker.weight_matmul.startswith("oneDNN bf16 on weights packed at load")
+                assert set(down) == {"packed"} and down["packed"].ndim == 2  # [layers, S]
+            else:
+                assert worker.weight_matmul.startswith("CPU kernel up to 16 tokens a step")
+                assert down["qweight"].dtype == jnp.bfloat16 and down["qweight"].ndim == 3  # [layers, out, in]
         tokens[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         llm.shutdown()
     assert tokens["bf16"] == tokens[None]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}], ids=["tied", "lm_head"])
+def test_packed_bf16_model_is_the_onednn_bf16_model(overrides: dict, tmp_path) -> None:
+    from jax.sharding import Mesh
+
+    from jaxserve.parallel.pipeline import abstract_params
+    from kernels_pallas.bf16_matmul import packing_available
+
+    if not packing_available():
+        pytest.skip("no native oneDNN bf16 matmul here: nothing is packed")
+    model_dir = save_tiny_hf("qwen2", str(tmp_path), **overrides)
+    arch, params = load_checkpoint(model_dir, np.float32, quantization="bf16")
+    pparams = pack_params(params, arch.tie_word_embeddings)
+    kinds = {"/".join(str(p.key) for p in path[1:]): a for path, a in jax.tree_util.tree_flatten_with_path(pparams)[0]}
+    assert "layers/self_attn/q_proj/qweight" not in kinds
+    assert kinds["layers/self_attn/q_proj/packed"].shape[0] == arch.num_hidden_layers
+    assert kinds["layers/self_attn/q_proj/bias"].dtype == np.float32
+    assert "embed_tokens/qweight" in kinds  # the lookup's rows stay
+    assert ("embed_tokens/packed" in kinds) == arch.tie_word_embeddings
+    assert ("lm_head/packed" in kinds) == (not arch.tie_word_embeddings)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
+    param_shardings(pparams, mesh)  # every packed leaf has a rule
+
+    pmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16", packed_weights=True))
+    # The model declares the packed shapes (--load-format dummy and sizing build from these).
+    shape = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)  # noqa: E731
+    assert shape(abstract_params(pmodel)) == shape(pparams)
+    bmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16"))
+    # 57 tokens: the plain model runs oneDNN too (repacking per call); the same products.
+    ids = list(range(3, 60))
+    p, b = prompt_logits(pmodel, pparams, ids), prompt_logits(bmodel, params, ids)
+    assert np.abs(p - b).max() < 1e-4 * np.abs(b).max()
+    # 12 tokens: the plain model's few-token kernel keeps float32 activations; packed rounds them.
+    short = list(range(3, 15))
+    p, b = prompt_logits(pmodel, pparams, short), prompt_logits(bmodel, params, short)
+    assert np.abs(p - b).max() < 2e-2 * np.abs(b).max()
 
 
 def test_bf16_refuses_experts_by_name(tmp_path) -> None:

@@ -26,7 +26,8 @@ from jaxserve.models.model_files import resolve_model  # noqa: E402
 from jaxserve.models import LlamaForCausalLM  # noqa: E402
 from jaxserve.models.llama import ModelOptions
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
-from jaxserve.models.quantization import param_bytes, quantize_params  # noqa: E402
+from jaxserve.models.quantization import pack_params, param_bytes, quantize_params  # noqa: E402
+from jaxserve.worker.worker import resolve_packed_weights  # noqa: E402
 from jaxserve.models.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = [
@@ -75,11 +76,15 @@ def main() -> None:
         llm.shutdown()
     arch, host = load_checkpoint(files, np.float32)
     qhost = quantize_params(host, args.quantization)
+    # bf16 weights packed for oneDNN where the engine packs them (what its greedy texts ran).
+    packed = resolve_packed_weights(args.quantization, jax.default_backend(), 1, 1)
+    if packed:
+        qhost = pack_params(qhost, arch.tie_word_embeddings)
     f32 = LlamaForCausalLM(arch)
-    q8 = LlamaForCausalLM(arch, ModelOptions(quantization=args.quantization))
+    q8 = LlamaForCausalLM(arch, ModelOptions(quantization=args.quantization, packed_weights=packed))
     p32, p8 = jax.device_put(host), jax.device_put(qhost)
     print(f"weights: float32 {param_bytes(p32) / 2**20:.1f} MiB, {args.quantization} "
-          f"{param_bytes(p8) / 2**20:.1f} MiB; KV cache {arch.kv_bytes_per_token(4)} B/token (float32)")
+          f"{param_bytes(p8) / 2**20:.1f} MiB{' (packed for oneDNN)' if packed else ''}; KV cache {arch.kv_bytes_per_token(4)} B/token (float32)")
     agree = total = 0
     same_text = 0
     for i, chat in enumerate(chats):

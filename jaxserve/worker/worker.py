@@ -155,8 +155,9 @@ def weight_matmul_path(quantization: str | None, platform: str, tp: int,
     if tp > 1:
         return "XLA (tensor parallel: the CPU kernels have no sharding rule)"
     if packed:
-        return (f"oneDNN bf16 on weights packed at load, every token count "
-                f"({CPU_PACKED_WEIGHTS_ENV}=0 keeps plain rows)")
+        few = (f"an AVX512-BF16 kernel up to {bf16_kernel.PACKED_FEW_TOKENS} tokens a step, oneDNN beyond"
+               if bf16_kernel.cpu.avx512_bf16() else "oneDNN at every token count")
+        return f"weights packed at load in oneDNN's layout: {few} ({CPU_PACKED_WEIGHTS_ENV}=0 keeps plain rows)"
     if quantization == "int8":
         if not int8_kernel.cpu.available():
             return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"

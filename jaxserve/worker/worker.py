@@ -110,8 +110,9 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
                          arch: Callable[[], ArchConfig]) -> tuple[str | None, str]:
     """The weight format the model runs, and why. An explicit `--quantization` is kept. With
     `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
-    dense model with one device per stage gets bf16 weights (activations and sums stay
-    float32): it is the fastest path there, and its greedy agreement with float32 is README's
+    dense model with one device per stage gets bf16 weights (float32 activations between the
+    matmuls, float32 sums; `resolve_packed_weights` decides their layout): it is the fastest
+    path there, and its greedy agreement with float32 is README's
     "Quantization" figure. Everything else keeps the dtype's float weights. `arch` is called
     (the checkpoint's header read) only when the answer depends on it."""
     if quantization is not None:

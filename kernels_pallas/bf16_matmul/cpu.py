@@ -4,7 +4,8 @@ Built on first use by `kernels_pallas.cpu_build`: with oneDNN (`-ldnnl`, Debian'
 libdnnl-dev) when its headers and library are found, else without, and then only the
 few-token kernel exists. `available()` / `onednn_available()` say what loaded, and why not
 (`unavailable_reason()`, `onednn_unavailable_reason()`); callers use the XLA reference for
-what is missing.
+what is missing. With oneDNN: `pack` reorders weights into its blocked layout at load, and
+`bf16_matmul_onednn_packed` multiplies by them (the AVX512-BF16 few-token kernel, or oneDNN).
 """
 
 from __future__ import annotations

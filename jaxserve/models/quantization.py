@@ -6,8 +6,9 @@ bytes of float32 and no scale arithmetic; on the CPU `kernels_pallas.bf16_matmul
 in place for few tokens and runs oneDNN's bf16 matmul for many (docs/benchmarks.md).
 Packed bf16 (CPU, where oneDNN's bf16 matmul is native; `pack_params` after loading): each
 projection's `qweight` becomes `packed` [..., S], reordered once into oneDNN's blocked
-layout, and every token count runs oneDNN on it without repacking per call; a tied
-embedding keeps its `qweight` rows for the lookup and gains a `packed` copy for the LM head.
+layout, read by `bf16_matmul_packed` (an AVX512-BF16 kernel for few tokens, oneDNN beyond, no
+per-call repacking); a tied embedding keeps its `qweight` rows for the lookup and gains a
+`packed` copy for the LM head.
 
 int8: symmetric int8 weights with per-output-channel scales in groups of 64 input channels:
 
@@ -126,10 +127,10 @@ def pack_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
         q = node.get("qweight")
         if q is None or "scale" in node or np.dtype(q.dtype) != jnp.bfloat16:
             return node
-        if name == "embed_tokens":
-            return {**node, "packed": bf16_kernel.pack_weights(np.asarray(q))} if tied else node
-        rest = {k: v for k, v in node.items() if k != "qweight"}
-        return {**rest, "packed": bf16_kernel.pack_weights(np.asarray(q))}
+        if name == "embed_tokens" and not tied:
+            return node
+        keep = {k: v for k, v in node.items() if k != "qweight" or name == "embed_tokens"}
+        return {**keep, "packed": bf16_kernel.pack_weights(np.asarray(q))}
 
     return {**params, "params": walk(params["params"], "params")}
 

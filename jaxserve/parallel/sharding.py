@@ -79,8 +79,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
        for leaf in ("qweight", "scale")},
 }
 
-def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
-    """Rules for int8 weights (models/quantization.py): `qweight` is the float kernel
+def _quantized_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Rules for int8 and bf16 weights (models/quantization.py): `qweight` is the float kernel
     transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale` [out, groups]
     splits as `qweight` does (a group of inputs stays on the device holding its inputs);
     packed bf16 weights (`packed`) stay whole."""
@@ -97,7 +97,7 @@ def _int8_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, 
     return out
 
 
-PARAM_AXES.update(_int8_axes(PARAM_AXES))
+PARAM_AXES.update(_quantized_axes(PARAM_AXES))
 # [L, pages, page, 2*kvh, D] (standard) or [L, pages, page, R*W] (packed; see kernels_pallas)
 KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")
 

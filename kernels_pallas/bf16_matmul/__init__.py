@@ -16,8 +16,8 @@ Three implementations:
 Packed weights: `pack_weights` reorders bf16 weights [..., N, K] once into the blocked layout
 oneDNN's matmul reads (flat [..., S]), and `bf16_matmul_packed` multiplies by them for any
 number of tokens, with no per-call repacking of the weights (activations rounded to bf16 as
-`onednn`): an AVX512-BF16 kernel of ours for few tokens, oneDNN beyond. CPU only, where `packing_available()`: the layout is oneDNN's and opaque, so no
-other backend reads it.
+`onednn`): an AVX512-BF16 kernel of ours for few tokens, oneDNN beyond. CPU only, where
+`packing_available()`: the layout is oneDNN's and opaque, so no other backend reads it.
 
 `bf16_matmul(..., backend="auto")` picks, on the CPU (through `platform_dependent`, so an
 export for cuda/tpu lowers the reference): `cpu` up to CPU_KERNEL_MAX_TOKENS tokens, `onednn`

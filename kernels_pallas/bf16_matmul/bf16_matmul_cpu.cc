@@ -134,29 +134,38 @@ dnnl::engine& engine() {
 
 std::mutex onednn_mu;  // one call at a time: the primitive cache, and each call uses every core
 
+// y [M, N] f32 = x [M, K] bf16 times weights `wm` (plain or packed: `packed` keys the cache)
+// through oneDNN's matmul: one primitive per shape and layout (the step's buckets are a
+// handful), kept.
+void onednn_matmul(const void* x, const dnnl::memory::desc& wm, const uint16_t* w, void* y, int64_t M,
+                   int64_t K, int64_t N, bool packed) {
+  using tag = dnnl::memory::format_tag;
+  using dt = dnnl::memory::data_type;
+  const dnnl::memory::desc xm({M, K}, dt::bf16, tag::ab), ym({M, N}, dt::f32, tag::ab);
+  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, dnnl::matmul> primitives;
+  std::lock_guard<std::mutex> lk(onednn_mu);
+  const auto key = std::make_tuple(M, K, N, packed);
+  auto it = primitives.find(key);
+  if (it == primitives.end())
+    it = primitives.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(
+                                     dnnl::matmul::desc(xm, wm, ym), engine()))).first;
+  dnnl::memory xmem(xm, engine(), const_cast<void*>(x));
+  dnnl::memory wmem(wm, engine(), const_cast<uint16_t*>(w));
+  dnnl::memory ymem(ym, engine(), y);
+  static dnnl::stream s(engine());
+  it->second.execute(s, {{DNNL_ARG_SRC, xmem}, {DNNL_ARG_WEIGHTS, wmem}, {DNNL_ARG_DST, ymem}});
+  s.wait();
+}
+
 ffi::Error OnednnImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                       ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   Dims d;
   if (ffi::Error e = check(x, w, layer, y, "bf16_matmul_onednn", &d); e.failure()) return e;
-  using tag = dnnl::memory::format_tag;
-  using dt = dnnl::memory::data_type;
   // The weights as a [K, N] matrix stored column-major (tag ba): row n of w[l] is column n.
-  const dnnl::memory::desc xm({d.M, d.K}, dt::bf16, tag::ab), wm({d.K, d.N}, dt::bf16, tag::ba),
-      ym({d.M, d.N}, dt::f32, tag::ab);
+  const dnnl::memory::desc wm({d.K, d.N}, dnnl::memory::data_type::bf16, dnnl::memory::format_tag::ba);
   try {
-    static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> primitives;
-    std::lock_guard<std::mutex> lk(onednn_mu);
-    auto key = std::make_tuple(d.M, d.K, d.N);  // the step's buckets: a handful of shapes
-    auto it = primitives.find(key);
-    if (it == primitives.end())
-      it = primitives.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(
-                                       dnnl::matmul::desc(xm, wm, ym), engine()))).first;
-    dnnl::memory xmem(xm, engine(), x.untyped_data());
-    dnnl::memory wmem(wm, engine(), static_cast<uint16_t*>(w.untyped_data()) + d.l * d.N * d.K);
-    dnnl::memory ymem(ym, engine(), y->untyped_data());
-    static dnnl::stream s(engine());
-    it->second.execute(s, {{DNNL_ARG_SRC, xmem}, {DNNL_ARG_WEIGHTS, wmem}, {DNNL_ARG_DST, ymem}});
-    s.wait();
+    onednn_matmul(x.untyped_data(), wm, static_cast<const uint16_t*>(w.untyped_data()) + d.l * d.N * d.K,
+                  y->untyped_data(), d.M, d.K, d.N, false);
   } catch (const std::exception& e) {  // no C++ exception may cross the FFI boundary
     return ffi::Error::Internal(std::string("bf16_matmul_onednn: ") + e.what());
   }
@@ -167,19 +176,40 @@ ffi::Error OnednnImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
 // count: oneDNN's brgemm matmul takes it at every M (bf16_matmul_onednn_impl reports what runs).
 constexpr int64_t kPackRows = 64;
 
-std::mutex packed_mu;  // the layout cache, which load-time packing (Python) fills too
+struct Blocked {
+  int64_t block;  // B: output channels per block (0: not a layout the few-token kernel reads)
+  int64_t kb;     // K-blocks of 32
+};
 
-dnnl::memory::desc packed_desc(int64_t K, int64_t N) {
+// oneDNN's packed layout of a [K, N] matrix, and whether the few-token kernel reads it.
+struct PackedLayout {
+  dnnl::memory::desc md;
+  Blocked blocked;
+};
+
+Blocked blocked_layout(const dnnl::memory::desc& md, int64_t K, int64_t N) {
   using tag = dnnl::memory::format_tag;
   using dt = dnnl::memory::data_type;
-  static std::map<std::pair<int64_t, int64_t>, dnnl::memory::desc> descs;
+  if (K % 32 != 0 || !__builtin_cpu_supports("avx512bf16")) return {0, 0};
+  for (auto [t, b] : {std::pair{tag::BA16a64b2a, 64}, {tag::BA16a48b2a, 48}, {tag::BA16a32b2a, 32}})
+    if (md == dnnl::memory::desc({K, N}, dt::bf16, t)) return {b, K / 32};
+  return {0, 0};
+}
+
+std::mutex packed_mu;  // the layout cache, which load-time packing (Python) fills too
+
+const PackedLayout& packed_layout(int64_t K, int64_t N) {
+  using tag = dnnl::memory::format_tag;
+  using dt = dnnl::memory::data_type;
+  static std::map<std::pair<int64_t, int64_t>, PackedLayout> layouts;  // entries never move
   std::lock_guard<std::mutex> lk(packed_mu);
-  auto it = descs.find({K, N});
-  if (it == descs.end()) {
+  auto it = layouts.find({K, N});
+  if (it == layouts.end()) {
     const dnnl::memory::desc xm({kPackRows, K}, dt::bf16, tag::ab), wm({K, N}, dt::bf16, tag::any),
         ym({kPackRows, N}, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(xm, wm, ym), engine());
-    it = descs.emplace(std::make_pair(K, N), pd.weights_desc()).first;
+    const dnnl::memory::desc md =
+        dnnl::matmul::primitive_desc(dnnl::matmul::desc(xm, wm, ym), engine()).weights_desc();
+    it = layouts.emplace(std::make_pair(K, N), PackedLayout{md, blocked_layout(md, K, N)}).first;
   }
   return it->second;
 }
@@ -188,7 +218,7 @@ dnnl::matmul::primitive_desc packed_primitive_desc(int64_t M, int64_t K, int64_t
   using tag = dnnl::memory::format_tag;
   using dt = dnnl::memory::data_type;
   const dnnl::memory::desc xm({M, K}, dt::bf16, tag::ab), ym({M, N}, dt::f32, tag::ab);
-  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(xm, packed_desc(K, N), ym), engine());
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(xm, packed_layout(K, N).md, ym), engine());
 }
 
 // Few tokens on packed weights, when the layout is oneDNN's "BA16a<B>b2a" (what its brgemm
@@ -198,20 +228,6 @@ dnnl::matmul::primitive_desc packed_primitive_desc(int64_t M, int64_t K, int64_t
 // 2 inputs, multiplied by a broadcast pair of activations into 16 float32 sums, no horizontal
 // sums. oneDNN reads the same bytes but forks its OpenMP threads per call, which for few
 // tokens costs more than the product (docs/benchmarks.md, "Packed bf16 weights").
-struct Blocked {
-  int64_t block;  // B: output channels per block (0: not a layout this kernel reads)
-  int64_t kb;     // K-blocks of 32
-};
-
-Blocked blocked_layout(int64_t K, int64_t N) {
-  using tag = dnnl::memory::format_tag;
-  using dt = dnnl::memory::data_type;
-  if (K % 32 != 0 || !__builtin_cpu_supports("avx512bf16")) return {0, 0};
-  const dnnl::memory::desc md = packed_desc(K, N);
-  for (auto [t, b] : {std::pair{tag::BA16a64b2a, 64}, {tag::BA16a48b2a, 48}, {tag::BA16a32b2a, 32}})
-    if (md == dnnl::memory::desc({K, N}, dt::bf16, t)) return {b, K / 32};
-  return {0, 0};
-}
 
 // T tokens (x: bf16 pairs as uint32, K/2 per token) x one block of 16V channels from n0.
 template <int V, int T>
@@ -281,8 +297,8 @@ ffi::Error OnednnPackedImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
   const int64_t M = xd[0], K = xd[1], N = yd[1], S = wd[r - 1], L = r == 2 ? wd[0] : 1;
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
   try {
-    const dnnl::memory::desc wm = packed_desc(K, N);
-    if (static_cast<int64_t>(wm.get_size() / sizeof(uint16_t)) != S)
+    const PackedLayout& p = packed_layout(K, N);
+    if (static_cast<int64_t>(p.md.get_size() / sizeof(uint16_t)) != S)
       return ffi::Error::InvalidArgument("bf16_matmul_onednn_packed: w was not packed for this K, N");
     const uint16_t* wl = static_cast<const uint16_t*>(w.untyped_data()) + l * S;
     thread_local std::vector<uint16_t> xb;  // x rounded to bf16, for either path
@@ -290,14 +306,7 @@ ffi::Error OnednnPackedImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
     const float* xp = x.typed_data();
     for (int64_t i = 0; i < M * K; ++i) xb[i] = to_bf16(xp[i]);
     if (M <= few_tokens) {
-      static std::map<std::pair<int64_t, int64_t>, Blocked> layouts;
-      Blocked b;
-      {
-        std::lock_guard<std::mutex> lk(onednn_mu);
-        auto it = layouts.find({K, N});
-        if (it == layouts.end()) it = layouts.emplace(std::make_pair(K, N), blocked_layout(K, N)).first;
-        b = it->second;
-      }
+      const Blocked& b = p.blocked;
       if (b.block) {
         const int64_t blocks = (N + b.block - 1) / b.block;
         const uint32_t* x2 = reinterpret_cast<const uint32_t*>(xb.data());
@@ -310,20 +319,7 @@ ffi::Error OnednnPackedImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
         return ffi::Error::Success();
       }
     }
-    static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> primitives;
-    std::lock_guard<std::mutex> lk(onednn_mu);
-    auto key = std::make_tuple(M, K, N);
-    auto it = primitives.find(key);
-    if (it == primitives.end())
-      it = primitives.emplace(key, dnnl::matmul(packed_primitive_desc(M, K, N))).first;
-    using tag = dnnl::memory::format_tag;
-    using dt = dnnl::memory::data_type;
-    dnnl::memory xmem({{M, K}, dt::bf16, tag::ab}, engine(), xb.data());
-    dnnl::memory wmem(wm, engine(), const_cast<uint16_t*>(wl));
-    dnnl::memory ymem({{M, N}, dt::f32, tag::ab}, engine(), y->untyped_data());
-    static dnnl::stream s(engine());
-    it->second.execute(s, {{DNNL_ARG_SRC, xmem}, {DNNL_ARG_WEIGHTS, wmem}, {DNNL_ARG_DST, ymem}});
-    s.wait();
+    onednn_matmul(xb.data(), p.md, wl, y->untyped_data(), M, K, N, true);
   } catch (const std::exception& e) {  // no C++ exception may cross the FFI boundary
     return ffi::Error::Internal(std::string("bf16_matmul_onednn_packed: ") + e.what());
   }
@@ -360,7 +356,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulOnednnPacked, OnednnPackedImpl,
 // row count runs oneDNN).
 extern "C" int bf16_matmul_packed_few_token_kernel(int64_t K, int64_t N) {
   try {
-    return blocked_layout(K, N).block != 0;
+    return packed_layout(K, N).blocked.block != 0;
   } catch (const std::exception&) {
     return 0;
   }
@@ -369,7 +365,7 @@ extern "C" int bf16_matmul_packed_few_token_kernel(int64_t K, int64_t N) {
 // Elements of one [N, K] matrix in the packed layout (padding included); -1 on failure.
 extern "C" int64_t bf16_matmul_onednn_packed_elements(int64_t K, int64_t N) {
   try {
-    return static_cast<int64_t>(packed_desc(K, N).get_size() / sizeof(uint16_t));
+    return static_cast<int64_t>(packed_layout(K, N).md.get_size() / sizeof(uint16_t));
   } catch (const std::exception&) {
     return -1;
   }
@@ -380,7 +376,7 @@ extern "C" int bf16_matmul_onednn_pack(const uint16_t* w, uint16_t* out, int64_t
   using tag = dnnl::memory::format_tag;
   using dt = dnnl::memory::data_type;
   try {
-    const dnnl::memory::desc wm = packed_desc(K, N);
+    const dnnl::memory::desc& wm = packed_layout(K, N).md;
     std::fill(out, out + wm.get_size() / sizeof(uint16_t), uint16_t{0});  // the padding
     dnnl::memory src({{K, N}, dt::bf16, tag::ba}, engine(), const_cast<uint16_t*>(w));
     dnnl::memory dst(wm, engine(), out);

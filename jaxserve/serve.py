@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
@@ -197,10 +199,18 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from jaxserve.api_server.server import run_server
 
+    # SIGTERM (systemd, docker stop, kill) ends the server as Ctrl-C does: through run_server's
+    # cleanup, also while the engine is still loading (uvicorn handles both signals while it
+    # serves, then raises the one it got again, which lands here).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         sys.exit(asyncio.run(run_server(args, config)))
     except KeyboardInterrupt:
         sys.exit(0)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

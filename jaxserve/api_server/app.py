@@ -26,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.api_server.debug_routes import add_debug_routes
+from jaxserve.engine.core_client import EngineDeadError, RequestRejectedError
+from jaxserve.engine.processor import InvalidInputError
 from jaxserve.metrics.prometheus import ServerMetrics
 from jaxserve.api_server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxserve.api_server.utility_protocol import (
@@ -99,10 +101,14 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(str(e.detail), HTTPStatus(e.status_code))
 
-    @app.exception_handler(Exception)
     async def _other_error(raw: Request, e: Exception) -> JSONResponse:
         err = error_from_exception(e, f"{raw.method} {raw.url.path}")
         return error_response(err.message, err.status, err.param)
+
+    # The engine's refusals and its death are expected errors: handled here, not by the
+    # catch-all, which Starlette re-raises into uvicorn's "Exception in ASGI application".
+    for expected in (EngineDeadError, RequestRejectedError, InvalidInputError, Exception):
+        app.add_exception_handler(expected, _other_error)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:

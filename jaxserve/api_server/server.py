@@ -62,80 +62,81 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         exporter = OtlpTraceExporter(args.otlp_traces_endpoint, names[0])
     traces = TraceStore(enabled=config.request_tracing, exporter=exporter)
     log_level = logging.getLogger().getEffectiveLevel()
-    clients = []
-    for rank in range(config.parallel_config.data_parallel_size):
-        input_address, output_address = new_ipc_addresses()
-        process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
-        clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics,
-                                    rank, traces))
-        logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
-    client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
+    clients: list[EngineClient] = []
     try:
-        ready = await client.wait_until_ready()
-    except EngineStartupError as e:
-        logger.error("engine core failed to start: %s", e)
-        await client.shutdown()
-        return 1
-    except BaseException:
-        await client.shutdown()
-        raise
-    t = ready.timings
-    logger.info(
-        "engine core ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d, "
-        "max_num_seqs %d (load %.1f s, compile %s)",
-        t.get("total_s", 0.0), files.name, ready.num_blocks, ready.block_size,
-        ready.max_model_len, ready.max_num_seqs, t.get("load_s", 0.0),
-        f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
-    )
-    ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
-                         max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
-                         trust_request_chat_template=args.trust_request_chat_template,
-                         model_eos_token_ids=model_eos_token_ids(files),
-                         default_sampling=defaults, max_logprobs=args.max_logprobs,
-                         tool_call_parser=args.tool_call_parser,
-                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,
-                         pooler_config=config.pooler_config,
-                         facts=ServerFacts(ready.max_num_seqs,
-                                           config.scheduler_config.max_num_batched_tokens,
-                                           config.enforce_eager,
-                                           config.parallel_config.data_parallel_size))
-    app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
-                    cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
-                              allow_headers=args.allowed_headers,
-                              allow_credentials=args.allow_credentials))
-    server = _Server(lambda: client.fail_in_flight("the server is shutting down"), uvicorn.Config(
-        app, host=args.host, port=args.port,
-        log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-        root_path=args.root_path or "",
-        timeout_graceful_shutdown=5,
-    ))
-    loop = asyncio.get_running_loop()
-    exit_code = 0
+        for rank in range(config.parallel_config.data_parallel_size):
+            input_address, output_address = new_ipc_addresses()
+            process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
+            clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics,
+                                        rank, traces))
+            logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
+        client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
+        try:
+            ready = await client.wait_until_ready()
+        except EngineStartupError as e:
+            logger.error("engine core failed to start: %s", e)
+            return 1
+        t = ready.timings
+        logger.info(
+            "engine core ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d, "
+            "max_num_seqs %d (load %.1f s, compile %s)",
+            t.get("total_s", 0.0), files.name, ready.num_blocks, ready.block_size,
+            ready.max_model_len, ready.max_num_seqs, t.get("load_s", 0.0),
+            f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
+        )
+        ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
+                             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+                             trust_request_chat_template=args.trust_request_chat_template,
+                             model_eos_token_ids=model_eos_token_ids(files),
+                             default_sampling=defaults, max_logprobs=args.max_logprobs,
+                             tool_call_parser=args.tool_call_parser,
+                             enable_auto_tool_choice=args.enable_auto_tool_choice,
+                             reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,
+                             pooler_config=config.pooler_config,
+                             facts=ServerFacts(ready.max_num_seqs,
+                                               config.scheduler_config.max_num_batched_tokens,
+                                               config.enforce_eager,
+                                               config.parallel_config.data_parallel_size))
+        app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
+                        cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                                  allow_headers=args.allowed_headers,
+                                  allow_credentials=args.allow_credentials))
+        server = _Server(lambda: client.fail_in_flight("the server is shutting down"), uvicorn.Config(
+            app, host=args.host, port=args.port,
+            log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+            root_path=args.root_path or "",
+            timeout_graceful_shutdown=5,
+        ))
+        loop = asyncio.get_running_loop()
+        exit_code = 0
 
-    def on_engine_dead(reason: str) -> None:
-        nonlocal exit_code
-        exit_code = 1
-        loop.call_later(ENGINE_DEAD_GRACE_S, setattr, server, "should_exit", True)
+        def on_engine_dead(reason: str) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            loop.call_later(ENGINE_DEAD_GRACE_S, setattr, server, "should_exit", True)
 
-    client.on_dead = on_engine_dead
-    client.start()
-    tasks = [loop.create_task(_announce_when_started(server, args.host, names[0]))]
-    if not getattr(args, "disable_log_stats", False):
-        tasks.append(loop.create_task(_log_stats(LoggingStatLogger(metrics))))
-    try:
-        # The socket bound at start-up (serve.bind_socket), or host:port.
-        sock = getattr(args, "socket", None)
-        await server.serve(sockets=[sock] if sock is not None else None)
+        client.on_dead = on_engine_dead
+        client.start()
+        tasks = [loop.create_task(_announce_when_started(server, args.host, names[0]))]
+        if not getattr(args, "disable_log_stats", False):
+            tasks.append(loop.create_task(_log_stats(LoggingStatLogger(metrics))))
+        try:
+            # The socket bound at start-up (serve.bind_socket), or host:port.
+            sock = getattr(args, "socket", None)
+            await server.serve(sockets=[sock] if sock is not None else None)
+        finally:
+            for task in tasks:
+                task.cancel()
+        if exit_code:
+            logger.error("exiting: %s", client.dead_error)
+        return exit_code
     finally:
-        for task in tasks:
-            task.cancel()
-        await client.shutdown()
+        # Every way out (a failed start-up, an exception here, a signal): the engine
+        # processes stop and their IPC files go (shutdown is idempotent; what this misses,
+        # messages' atexit removes).
+        await asyncio.gather(*(c.shutdown() for c in clients), return_exceptions=True)
         if exporter is not None:
             await asyncio.to_thread(exporter.shutdown)  # send what is still batched
-    if exit_code:
-        logger.error("exiting: %s", client.dead_error)
-    return exit_code
 
 
 class _Server(uvicorn.Server):

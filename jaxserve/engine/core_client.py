@@ -133,31 +133,45 @@ class EngineClient:
         self._queues.clear()
 
     async def shutdown(self) -> None:
-        """Stop the engine process and close the sockets (idempotent)."""
+        """Stop the engine process, close the sockets and remove their files (idempotent;
+        the files go whatever else fails on the way)."""
         if self._closed:
             return
         self._closed = True
         try:
-            asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        except (RuntimeError, ValueError):
-            pass
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.process.is_alive():
-            self._send(EngineCoreRequestType.SHUTDOWN, None)
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 5)
+            try:
+                asyncio.get_running_loop().remove_reader(self.process.sentinel)
+            except (RuntimeError, ValueError):
+                pass
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.process.is_alive():
+                try:
+                    self._send(EngineCoreRequestType.SHUTDOWN, None)
+                except zmq.ZMQError:
+                    # Alive but no longer connected: it is exiting already (after a fault,
+                    # its interpreter's teardown can outlast the grace period on a busy
+                    # machine); _stop_process waits for it, then terminates it.
+                    pass
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_process)
+        finally:
+            self._input.close()
+            self._output.close()
+            self._ctx.term()
+            self._sync_ctx.term()
+            remove_ipc_files(*self._addresses)
+
+    def _stop_process(self) -> None:
+        """Wait for the engine process to exit (told to, or exiting), then terminate it,
+        then kill it."""
+        self.process.join(5)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
-        self._input.close()
-        self._output.close()
-        self._ctx.term()
-        self._sync_ctx.term()
-        remove_ipc_files(*self._addresses)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
 
     # --- requests ---------------------------------------------------------------------
 

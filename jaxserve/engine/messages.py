@@ -11,6 +11,7 @@ int, float and None. JAX-free: both processes import it.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 import tempfile
@@ -117,17 +118,38 @@ def decode(frame: bytes) -> tuple[int, Any]:
     return kind, payload
 
 
+# The ipc socket files this process created and has not removed yet. Removed by whoever
+# closes the sockets (EngineClient.shutdown), else at interpreter exit: a server that ends
+# through an exception, a signal or a failed start-up leaves nothing in the temp folder.
+# Path -> the creating pid: a forked child inherits the table but not the files.
+_owned_ipc_files: dict[str, int] = {}
+
+
 def new_ipc_addresses() -> tuple[str, str]:
-    """Fresh ipc:// endpoints (input, output) for one engine core."""
+    """Fresh ipc:// endpoints (input, output) for one engine core; the calling process owns
+    their files (ZeroMQ creates them when it binds) until remove_ipc_files."""
     base = os.path.join(tempfile.gettempdir(), f"jaxserve-{uuid.uuid4().hex[:12]}")
+    _owned_ipc_files.update({f"{base}-in": os.getpid(), f"{base}-out": os.getpid()})
     return f"ipc://{base}-in", f"ipc://{base}-out"
 
 
 def remove_ipc_files(*addresses: str) -> None:
-    """Delete the socket files behind ipc:// addresses (the binding side owns them)."""
+    """Delete the socket files behind ipc:// addresses (the binding side owns them).
+    Idempotent: a file already gone is not an error."""
     for address in addresses:
         if address.startswith("ipc://"):
+            path = address.removeprefix("ipc://")
+            _owned_ipc_files.pop(path, None)
             try:
-                os.unlink(address.removeprefix("ipc://"))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+def _remove_owned_ipc_files() -> None:
+    pid = os.getpid()
+    remove_ipc_files(*(f"ipc://{path}" for path, owner in list(_owned_ipc_files.items())
+                       if owner == pid))
+
+
+atexit.register(_remove_owned_ipc_files)

@@ -2,6 +2,9 @@
 injection): `JAXSERVE_TEST_FAIL_AT_STEP=N python -m tests.api_server.faulty_serve ARGS`.
 `JAXSERVE_TEST_FAIL_GRAMMAR_AFTER=K`: instead, every grammar matcher fails once its request
 has K tokens (what llguidance does when a grammar outgrows its parser's limits mid-way).
+`JAXSERVE_TEST_FAIL_API_SERVER=1`: the API server itself raises while the engine core loads.
+`JAXSERVE_TEST_DEAD_GRACE_S=S`: the grace period after an engine's death (so that a test on
+a busy machine still sees the 503s before the server exits).
 
 The engine core is a spawned process, which imports this module again as `__mp_main__`
 before it runs: that is where the runner is patched, so the API server (which must not
@@ -16,6 +19,8 @@ from typing import Any
 
 FAIL_AT = int(os.environ.get("JAXSERVE_TEST_FAIL_AT_STEP", "0"))
 FAIL_GRAMMAR_AFTER = int(os.environ.get("JAXSERVE_TEST_FAIL_GRAMMAR_AFTER", "0"))
+FAIL_API_SERVER = os.environ.get("JAXSERVE_TEST_FAIL_API_SERVER") == "1"
+DEAD_GRACE_S = os.environ.get("JAXSERVE_TEST_DEAD_GRACE_S")
 
 
 class InjectedFault(RuntimeError):
@@ -58,7 +63,21 @@ if __name__ == "__mp_main__" and FAIL_AT:
 if __name__ == "__mp_main__" and FAIL_GRAMMAR_AFTER:
     _patch_grammar_matchers()
 
+
+def _patch_api_server() -> None:
+    from jaxserve.api_server import server
+
+    if DEAD_GRACE_S is not None:
+        server.ENGINE_DEAD_GRACE_S = float(DEAD_GRACE_S)
+    if FAIL_API_SERVER:
+        async def wait_until_ready(self: Any) -> Any:
+            raise InjectedFault("injected API server failure")
+
+        server.EngineClient.wait_until_ready = wait_until_ready
+
+
 if __name__ == "__main__":
     from jaxserve.serve import main
 
+    _patch_api_server()
     sys.exit(main())

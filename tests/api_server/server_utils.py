@@ -27,6 +27,15 @@ def ipc_files(tmpdir: str | None = None) -> set[str]:
     return set(glob.glob(base + "*-in")) | set(glob.glob(base + "*-out"))
 
 
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (a container's init may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +47,7 @@ class RemoteServer:
 
     def __init__(self, args: list[str], start_timeout: float = 240.0,
                  module: str = "jaxserve.serve", env: dict[str, str] | None = None,
-                 api_key: str = "EMPTY") -> None:
+                 api_key: str = "EMPTY", wait_healthy: bool = True) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxserve-server-", suffix=".log",
@@ -50,7 +59,8 @@ class RemoteServer:
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self._wait_until_healthy(start_timeout)
+        if wait_healthy:
+            self._wait_until_healthy(start_timeout)
 
     def _wait_until_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -80,6 +90,15 @@ class RemoteServer:
         with open(self.log.name) as f:
             return f.read()
 
+    def wait_for_log(self, text: str, timeout: float = 240.0) -> str:
+        """Until `text` is in the log (an event, not a sleep); returns the log."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.read_log()):
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{log}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{log}"
+            time.sleep(0.05)
+        return log
+
     def engine_pid(self) -> int:
         m = re.search(r"engine core process \d+ \(pid (\d+)\)", self.read_log())
         assert m, self.read_log()
@@ -103,7 +122,7 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(120)  # a clean shutdown, on a busy machine too
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)

@@ -23,6 +23,11 @@ class SchedulingPolicy(enum.Enum):
 
 
 QUANTIZATION_METHODS = ("int8", "bf16")
+# Documented environment overrides of --cpu-auto-bf16 / --cpu-packed-weights (README,
+# "Environment variables"), read by EngineArgs.create_engine_config only. The test suite sets
+# the first to 0: its references are float32.
+CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
+CPU_PACKED_WEIGHTS_ENV = "JAXSERVE_CPU_PACKED_WEIGHTS"
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels_pallas.FP8_KV_CACHE_DTYPES
 
@@ -58,6 +63,11 @@ class ModelConfig:
     # vLLM's skip_tokenizer_init: no tokenizer (a checkpoint without one); prompts are token
     # ids and outputs are token ids only (no text, no stop strings).
     skip_tokenizer_init: bool = False
+    # The CPU fast path (jaxserve/worker/worker.py: resolve_quantization, resolve_packed_weights):
+    # whether `--dtype auto` may give a dense model bf16 weights on a CPU with bf16 units, and
+    # whether bf16 weights are packed at load into oneDNN's layout there.
+    cpu_auto_bf16: bool = True
+    cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -161,6 +171,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Which data-parallel engine this is (the server launches one engine-core process per
+    # rank, each with its rank set here; make_mesh takes the rank's devices).
+    data_parallel_rank: int = 0
     # Multi-host (jax.distributed); None = read JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID from the environment (default: one process).
     distributed_coordinator_address: str | None = None
@@ -175,6 +188,9 @@ class ParallelConfig:
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
         n, pid = self.distributed_num_processes, self.distributed_process_id
         if n is not None and n < 1:
             raise ValueError(f"distributed_num_processes must be >= 1, got {n}")

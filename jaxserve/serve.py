@@ -22,6 +22,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.models.model_files import resolve_model
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -52,8 +53,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     server.add_argument("--generation-config", default="auto",
                         help="sampling defaults: auto (the model's generation_config.json), vllm "
                              "(none: vLLM's own defaults) or a folder holding one")
-    server.add_argument("--max-logprobs", type=int, default=20,
-                        help="most logprobs / prompt_logprobs a request may ask for (at most 20)")
+    server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help=f"most logprobs / prompt_logprobs a request may ask for (at most "
+                             f"{MAX_LOGPROBS})")
     server.add_argument("--root-path", default=None,
                         help="the path prefix a reverse proxy serves this API under")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -165,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
             args.chat_template = read_chat_template(args.chat_template)
         except (argparse.ArgumentTypeError, OSError) as e:
             parser.error(str(e))
-    if not 0 <= args.max_logprobs <= 20:
-        parser.error(f"--max-logprobs must be in [0, 20] (the sampler computes 20), "
-                     f"got {args.max_logprobs}")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        parser.error(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the sampler computes "
+                     f"{MAX_LOGPROBS}), got {args.max_logprobs}")
     if args.tokenizer is not None:
         try:
             resolve_model(args.tokenizer)

@@ -16,6 +16,7 @@ TYPE_CHECKING); the subprocess check catches transitive ones.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -173,3 +174,20 @@ def test_importing_host_side_modules_does_not_load_jax(module):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_every_environment_variable_is_documented():
+    """Settings travel as flags and config fields: the few variables read of our own are named
+    in README.md's "Environment variables" table."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    quoted = re.compile(r"""["'](JAXSERVE_[A-Z0-9_]+|KERNELS_PALLAS_[A-Z0-9_]+)["']""")
+    names: dict[str, str] = {}
+    for folder in ("jaxserve", "kernels_pallas", "scripts"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".sh", ".cc", ".h"):
+                for name in quoted.findall(path.read_text()):
+                    names.setdefault(name, str(path.relative_to(ROOT)))
+    assert "JAXSERVE_API_KEY" in names  # the scan sees them
+    missing = {n: where for n, where in names.items() if f"`{n}`" not in section}
+    assert not missing, f"undocumented environment variables (README.md): {missing}"

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from jaxserve.api_server.unsupported_fields import UnsupportedVllmFields
-from jaxserve.sampling_params import MAX_BAD_WORD_SEQUENCES
+from jaxserve.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_LOGPROBS
 
 logger = logging.getLogger("jaxserve.api_server")
 
@@ -167,7 +167,7 @@ class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     # Per prompt token (but the first), its logprob and the top-N.
-    prompt_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[WholeInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields (at most one of them).
     response_format: ResponseFormat | None = None
@@ -191,7 +191,7 @@ class CompletionRequest(SamplingRequestFields):
              | Annotated[list[NonEmptyText], Field(min_length=1)])
     max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool | None = False
-    logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[WholeInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: Text | None = None
     best_of: Annotated[WholeInt, Field(ge=1, le=MAX_N)] | None = None
 
@@ -302,7 +302,7 @@ class ChatCompletionRequest(SamplingRequestFields):
     max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None
     max_completion_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[WholeInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -37,7 +37,7 @@ from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.config import PoolerConfig
 from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.request_trace import RequestTrace
 
 T = TypeVar("T")
@@ -131,7 +131,7 @@ class ServingContext:
     model_eos_token_ids: frozenset[int] = frozenset()
     # Sampling defaults from the model's generation_config.json (--generation-config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
-    max_logprobs: int = 20  # --max-logprobs
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.config import (
+    CPU_AUTO_BF16_ENV,
+    CPU_PACKED_WEIGHTS_ENV,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
@@ -99,6 +102,14 @@ class EngineArgs:
         "token ids only", action="store_true"))
     seed: int = field(default=0, metadata=_arg(
         "model", "engine seed (requests without a seed derive theirs from it)", type=int))
+    cpu_auto_bf16: bool | None = field(default=None, metadata=_arg(
+        "model", "on a CPU with bf16 units (AVX512-BF16, AMX), --dtype auto gives dense models "
+        "bf16 weights; --no-cpu-auto-bf16 keeps float32 (default: yes, unless "
+        f"${CPU_AUTO_BF16_ENV}=0)", action=BOOL))
+    cpu_packed_weights: bool | None = field(default=None, metadata=_arg(
+        "model", "on such a CPU, bf16 weights are packed at load into oneDNN's blocked layout; "
+        f"--no-cpu-packed-weights keeps plain rows (default: yes, unless "
+        f"${CPU_PACKED_WEIGHTS_ENV}=0)", action=BOOL))
     # cache
     block_size: int = field(default=16, metadata=_arg(
         "cache", "tokens per KV-cache page", type=int))
@@ -235,7 +246,9 @@ class EngineArgs:
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                 seed=self.seed, served_model_name=served, tokenizer=self.tokenizer,
                 quantization=self.quantization, load_format=self.load_format,
-                skip_tokenizer_init=self.skip_tokenizer_init),
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                cpu_auto_bf16=_flag_or_env(self.cpu_auto_bf16, CPU_AUTO_BF16_ENV),
+                cpu_packed_weights=_flag_or_env(self.cpu_packed_weights, CPU_PACKED_WEIGHTS_ENV)),
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -256,6 +269,12 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, attention_backend=self.attention_backend,
             attention_interpret=self.attention_interpret, request_tracing=self.request_tracing,
             speculative_config=spec, structured_outputs_config=so, pooler_config=pooler)
+
+
+def _flag_or_env(flag: bool | None, env: str) -> bool:
+    """A yes/no flag: as given, else the environment's "0" says no, else yes (the documented
+    overrides are read here only, into the same EngineConfig field)."""
+    return flag if flag is not None else os.environ.get(env, "1") != "0"
 
 
 def _policy(value: str) -> SchedulingPolicy:

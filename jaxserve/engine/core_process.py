@@ -13,6 +13,7 @@ server can import it to start the process; JAX is imported in the child by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ParallelConfig
 from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request
@@ -152,10 +153,9 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
-                    output_address: str, parent_pid: int, log_level: int = logging.INFO,
-                    dp_rank: int = 0) -> None:
+                    output_address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
     """Entry point of the engine-core process: build, handshake, serve."""
-    select_rank_devices(dp_rank, config.parallel_config.data_parallel_size)
+    select_rank_devices(config.parallel_config)
     # Ctrl-C reaches the whole process group; the API server shuts this process down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # JAX probing for a TPU on every machine without one is not news.
@@ -213,32 +213,30 @@ def _release_followers(built: Any) -> None:
             logger.exception("could not release the follower processes")
 
 
-def select_rank_devices(dp_rank: int, dp_size: int) -> None:
-    """Before JAX starts: give this data-parallel rank its own devices.
-
-    The rank index reaches make_mesh through JAXSERVE_DP_RANK (it picks the
-    rank's slice when every device is visible); on GPUs, the rank's slice of
-    CUDA_VISIBLE_DEVICES also keeps XLA from reserving memory on the others'.
-    """
-    os.environ["JAXSERVE_DP_RANK"] = str(dp_rank)
-    os.environ["JAXSERVE_DP_SIZE"] = str(dp_size)
+def select_rank_devices(parallel: ParallelConfig) -> None:
+    """Before JAX starts, on GPUs: this data-parallel rank's slice of CUDA_VISIBLE_DEVICES
+    keeps XLA from reserving memory on the other ranks' devices. (Elsewhere make_mesh takes
+    the rank's slice of the devices it sees, from `parallel.data_parallel_rank`.)"""
+    rank, size = parallel.data_parallel_rank, parallel.data_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if dp_size > 1 and visible:
+    if size > 1 and visible:
         ids = visible.split(",")
-        per = len(ids) // dp_size
+        per = len(ids) // size
         if per:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[dp_rank * per : (dp_rank + 1) * per])
-            os.environ["JAXSERVE_DP_SIZE"] = "1"  # the slice is all this process sees
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[rank * per : (rank + 1) * per])
 
 
 def launch_engine_core(config: EngineConfig, eos_token_id: int | None, input_address: str,
                        output_address: str, log_level: int = logging.INFO, dp_rank: int = 0,
                        ) -> multiprocessing.process.BaseProcess:
-    """Start the engine-core process (spawn: a fresh interpreter, JAX imported only there)."""
+    """Start the engine-core process of data-parallel rank `dp_rank` (spawn: a fresh
+    interpreter, JAX imported only there); its config says which rank it is."""
+    config = dataclasses.replace(config, parallel_config=dataclasses.replace(
+        config.parallel_config, data_parallel_rank=dp_rank))
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(
         target=run_engine_core, name=f"EngineCore_DP{dp_rank}",
-        args=(config, eos_token_id, input_address, output_address, os.getpid(), log_level, dp_rank),
+        args=(config, eos_token_id, input_address, output_address, os.getpid(), log_level),
         daemon=True,
     )
     proc.start()

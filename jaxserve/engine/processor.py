@@ -17,7 +17,7 @@ from jaxserve.config import PoolerConfig
 from jaxserve.engine_core.sched_utils import EMPTY_PROMPT, prompt_too_long
 from jaxserve.engine_core.structured_output import grammar_text
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -40,7 +40,7 @@ class Processor:
     max_model_len: int
     vocab_size: int
     model_eos_token_ids: frozenset[int] = frozenset()  # besides the tokenizer's own
-    max_logprobs: int = 20  # --max-logprobs
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     # The served tokenizer's text -> ids without special tokens (bad_words are tokenized here).
     encode: Callable[[str], list[int]] | None = field(default=None, compare=False)
     pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: embedding requests

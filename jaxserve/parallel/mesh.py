@@ -6,8 +6,6 @@ single-device code and sharded code are the same code.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -21,9 +19,9 @@ def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None)
     """A mesh for one engine core: `stage x model` devices (data ranks are separate engines)."""
     devices = list(devices if devices is not None else jax.devices())
     need = parallel.pipeline_parallel_size * parallel.tensor_parallel_size
-    # A data-parallel engine process takes its rank's slice when it sees every
-    # rank's devices (set by the engine process launcher; see select_rank_devices).
-    rank, size = int(os.environ.get("JAXSERVE_DP_RANK", 0)), int(os.environ.get("JAXSERVE_DP_SIZE", 1))
+    # A data-parallel engine process takes its rank's slice when it sees every rank's
+    # devices (on GPUs the launcher narrows CUDA_VISIBLE_DEVICES instead: select_rank_devices).
+    rank, size = parallel.data_parallel_rank, parallel.data_parallel_size
     if size > 1 and len(devices) >= size * need:
         devices = devices[rank * need : (rank + 1) * need]
     if len(devices) < need:

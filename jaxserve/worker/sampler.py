@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.sampling_params import MAX_LOGPROBS  # top-N returned at most
 from jaxserve.worker.penalty_state import ANY_TOKEN
 
-MAX_LOGPROBS = 20  # top-N returned at most (SamplingParams caps logprobs at this)
 _NEG_INF = -jnp.inf
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
-from jaxserve.config import EngineConfig
+from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
@@ -101,48 +100,42 @@ def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
     return requested
 
 
-# Set to 0 to keep float32 weights under `--dtype auto` on CPUs with bf16 units (the test suite
-# does: its references are float32).
-CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
-
-
 def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
-                         arch: Callable[[], ArchConfig]) -> tuple[str | None, str]:
+                         arch: Callable[[], ArchConfig], cpu_auto_bf16: bool = True,
+                         ) -> tuple[str | None, str]:
     """The weight format the model runs, and why. An explicit `--quantization` is kept. With
     `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
     dense model with one device per stage gets bf16 weights (float32 activations between the
     matmuls, float32 sums; `resolve_packed_weights` decides their layout): it is the fastest
     path there, and its greedy agreement with float32 is README's
-    "Quantization" figure. Everything else keeps the dtype's float weights. `arch` is called
-    (the checkpoint's header read) only when the answer depends on it."""
+    "Quantization" figure. Everything else keeps the dtype's float weights, as does
+    `cpu_auto_bf16=False` (--no-cpu-auto-bf16). `arch` is called (the checkpoint's header
+    read) only when the answer depends on it."""
     if quantization is not None:
         return quantization, "--quantization"
     if dtype != "auto" or platform != "cpu":
         return None, f"--dtype {dtype} on {platform}"
-    if os.environ.get(CPU_AUTO_BF16_ENV, "1") == "0":
-        return None, f"{CPU_AUTO_BF16_ENV}=0"
+    if not cpu_auto_bf16:
+        return None, f"--no-cpu-auto-bf16 (or {CPU_AUTO_BF16_ENV}=0)"
     if tp > 1 or pp > 1:
         return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
     if arch().num_experts:
         return None, "float32 weights: bf16 does not cover mixture-of-experts models"
     if not bf16_kernel.cpu.onednn_available():
         return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
-    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (JAXSERVE_CPU_AUTO_BF16=0 or --dtype float32 keeps float32)"
+    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (--no-cpu-auto-bf16 or --dtype float32 keeps float32)"
 
 
-# Set to 0 to keep bf16 weights in their plain [out, in] rows on the CPU (the few-token AVX2
-# kernel and oneDNN with per-call repacking) instead of packing them for oneDNN at load.
-CPU_PACKED_WEIGHTS_ENV = "JAXSERVE_CPU_PACKED_WEIGHTS"
-
-
-def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int) -> bool:
+def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int,
+                           allowed: bool = True) -> bool:
     """Whether bf16 weights are packed at load into oneDNN's blocked layout: on a CPU where
-    oneDNN's bf16 matmul is native, with one device per stage. Every token count then runs
-    oneDNN without repacking the weights per call, faster than the plain-row paths at every
-    batch size measured (docs/benchmarks.md, "Packed bf16 weights")."""
+    oneDNN's bf16 matmul is native, with one device per stage, unless not `allowed`
+    (--no-cpu-packed-weights keeps them in plain [out, in] rows: the few-token AVX2 kernel and
+    oneDNN with per-call repacking). Packed, every token count runs without repacking the
+    weights per call, faster than the plain-row paths at every batch size measured
+    (docs/benchmarks.md, "Packed bf16 weights")."""
     return (quantization == "bf16" and platform == "cpu" and tp == 1 and pp == 1
-            and os.environ.get(CPU_PACKED_WEIGHTS_ENV, "1") != "0"
-            and bf16_kernel.packing_available())
+            and allowed and bf16_kernel.packing_available())
 
 
 def weight_matmul_path(quantization: str | None, platform: str, tp: int,
@@ -158,7 +151,7 @@ def weight_matmul_path(quantization: str | None, platform: str, tp: int,
     if packed:
         few = (f"an AVX512-BF16 kernel up to {bf16_kernel.PACKED_FEW_TOKENS} tokens a step, oneDNN beyond"
                if bf16_kernel.cpu.avx512_bf16() else "oneDNN at every token count")
-        return f"weights packed at load in oneDNN's layout: {few} ({CPU_PACKED_WEIGHTS_ENV}=0 keeps plain rows)"
+        return f"weights packed at load in oneDNN's layout: {few} (--no-cpu-packed-weights keeps plain rows)"
     if quantization == "int8":
         if not int8_kernel.cpu.available():
             return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"
@@ -187,12 +180,14 @@ class Worker:
         # The weight format in use; the config keeps what was asked (build_worker reports both).
         self.quantization, self.quantization_reason = resolve_quantization(
             config.model_config.quantization, config.model_config.dtype, self.platform,
-            pc.tensor_parallel_size, pc.pipeline_parallel_size, lambda: read_arch(self.model_files))
+            pc.tensor_parallel_size, pc.pipeline_parallel_size, lambda: read_arch(self.model_files),
+            config.model_config.cpu_auto_bf16)
         self.attention_backend = resolve_attention_backend(
             config.attention_backend, self.platform, config.attention_interpret)
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.packed_weights = resolve_packed_weights(
-            self.quantization, self.platform, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+            self.quantization, self.platform, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+            config.model_config.cpu_packed_weights)
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
             self.quantization, config.cache_config.cache_dtype,

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.config import CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV
+from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import ArchConfig
 from jaxserve.worker import worker as worker_mod
-from jaxserve.worker.worker import (
-    CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV, resolve_packed_weights, resolve_quantization)
+from jaxserve.worker.worker import resolve_packed_weights, resolve_quantization
 
 _SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -24,7 +25,6 @@ MOE = lambda: ArchConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, num_
 @pytest.fixture
 def native_bf16(monkeypatch: pytest.MonkeyPatch):
     """Pretend oneDNN's bf16 matmul is native here (the rule, apart from this CPU)."""
-    monkeypatch.delenv(CPU_AUTO_BF16_ENV, raising=False)
     monkeypatch.setattr(worker_mod.bf16_kernel.cpu, "onednn_available", lambda: True)
 
 
@@ -39,27 +39,36 @@ def test_auto_gives_bf16_weights_only_to_dense_single_device_cpu_models(native_b
                       (("auto", "cpu", 1, 1, MOE), "mixture-of-experts")]:
         quant, reason = resolve_quantization(None, *args)
         assert quant is None and why in reason, (args, reason)
-    monkeypatch.setenv(CPU_AUTO_BF16_ENV, "0")
-    assert resolve_quantization(None, "auto", "cpu", 1, 1, DENSE) == (None, f"{CPU_AUTO_BF16_ENV}=0")
+    assert resolve_quantization(None, "auto", "cpu", 1, 1, DENSE, cpu_auto_bf16=False) == (
+        None, f"--no-cpu-auto-bf16 (or {CPU_AUTO_BF16_ENV}=0)")
+
+
+def test_the_cpu_switches_are_flags_with_documented_environment_overrides(monkeypatch) -> None:
+    # The environment is read once, by the resolution stage, into the config's fields; an
+    # explicit flag wins over it.
+    for env, field in ((CPU_AUTO_BF16_ENV, "cpu_auto_bf16"),
+                       (CPU_PACKED_WEIGHTS_ENV, "cpu_packed_weights")):
+        monkeypatch.delenv(env, raising=False)
+        assert getattr(make_engine_config().model_config, field) is True
+        assert getattr(make_engine_config(**{field: False}).model_config, field) is False
+        monkeypatch.setenv(env, "0")
+        assert getattr(make_engine_config().model_config, field) is False
+        assert getattr(make_engine_config(**{field: True}).model_config, field) is True
 
 
 def test_auto_keeps_float32_without_native_bf16(monkeypatch) -> None:
-    monkeypatch.delenv(CPU_AUTO_BF16_ENV, raising=False)
     monkeypatch.setattr(worker_mod.bf16_kernel.cpu, "onednn_available", lambda: False)
     quant, reason = resolve_quantization(None, "auto", "cpu", 1, 1, DENSE)
     assert quant is None and "no native bf16 matmul" in reason
 
 
 def test_bf16_weights_are_packed_for_onednn_only_on_one_cpu_device(monkeypatch) -> None:
-    monkeypatch.delenv(CPU_PACKED_WEIGHTS_ENV, raising=False)
     monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: True)
     assert resolve_packed_weights("bf16", "cpu", 1, 1)
     for args in [(None, "cpu", 1, 1), ("int8", "cpu", 1, 1), ("bf16", "tpu", 1, 1), ("bf16", "gpu", 1, 1),
                  ("bf16", "cpu", 2, 1), ("bf16", "cpu", 1, 2)]:
         assert not resolve_packed_weights(*args), args
-    monkeypatch.setenv(CPU_PACKED_WEIGHTS_ENV, "0")
-    assert not resolve_packed_weights("bf16", "cpu", 1, 1)
-    monkeypatch.delenv(CPU_PACKED_WEIGHTS_ENV)
+    assert not resolve_packed_weights("bf16", "cpu", 1, 1, allowed=False)
     monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: False)
     assert not resolve_packed_weights("bf16", "cpu", 1, 1)
 
@@ -85,8 +94,7 @@ def test_default_configuration_stays_near_transformers(hf_default_model, monkeyp
     from jaxserve.models.tokenizer import load_tokenizer
     from kernels_pallas.bf16_matmul import cpu
 
-    monkeypatch.delenv(CPU_AUTO_BF16_ENV, raising=False)
-    llm = LLM(max_model_len=512, max_num_seqs=4)
+    llm = LLM(max_model_len=512, max_num_seqs=4, cpu_auto_bf16=True)  # the suite sets it off
     try:
         expected = "bf16" if cpu.onednn_available() else None
         assert llm.engine.worker.quantization == expected

@@ -220,11 +220,10 @@ def test_bf16_model_is_the_float_model_with_bf16_rounded_weights(overrides: dict
 
 
 @pytest.mark.parametrize("packed", ["1", "0"], ids=["packed", "plain"])
-def test_bf16_weights_through_the_engine_match_float32_greedy(packed: str, tmp_path, monkeypatch) -> None:
+def test_bf16_weights_through_the_engine_match_float32_greedy(packed: str, tmp_path) -> None:
     from jaxserve import LLM, SamplingParams
     from kernels_pallas.bf16_matmul import packing_available
 
-    monkeypatch.setenv("JAXSERVE_CPU_PACKED_WEIGHTS", packed)
     packed_here = packed == "1" and packing_available()
     model_dir = save_tiny_hf("llama", str(tmp_path))
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
@@ -234,7 +233,8 @@ def test_bf16_weights_through_the_engine_match_float32_greedy(packed: str, tmp_p
         # A 40-token prefill and decodes of 1-2 tokens: oneDNN on packed weights for both, or
         # oneDNN (where it is available) for the prefill and the few-token kernel for decodes.
         llm = LLM(model_dir, quantization=q, max_model_len=128, max_num_seqs=4, skip_tokenizer_init=True,
-                  max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, enforce_eager=True)
+                  max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20, enforce_eager=True,
+                  cpu_packed_weights=packed == "1")
         if q:
             worker = llm.engine.worker
             assert worker.packed_weights == packed_here

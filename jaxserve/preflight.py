@@ -25,7 +25,8 @@ import sys
 from typing import Any
 
 from jaxserve.models.model_files import ModelFiles, resolve_model
-from jaxserve.serve import engine_config_from_args, make_arg_parser
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.serve import engine_arg_parser, engine_config_from_args
 from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
 from jaxserve.worker.targets import Target, parse_target, supported_targets
 
@@ -131,11 +132,9 @@ class PreflightReport:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """serve's flags (the engine ones matter; the server ones are accepted and ignored),
-    plus --target and --json."""
-    p = make_arg_parser()
-    p.prog = "python -m jaxserve.preflight"
-    p.description = __doc__.splitlines()[0]
+    """The engine's flags (as serve takes them; not the HTTP server's), plus --target and
+    --json."""
+    p = engine_arg_parser("python -m jaxserve.preflight", __doc__.splitlines()[0])
     g = p.add_argument_group("preflight")
     g.add_argument("--target", required=True,
                    help=f"the device to compile for: {supported_targets()}")
@@ -148,6 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-threads", type=int, default=None,
                    help="GPU targets: compiles at once (default: one per CPU core, at most 4); "
                         "TPU programs always compile one at a time")
+    EngineArgs.add_cli_args(p)
     return p
 
 

@@ -27,10 +27,7 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 
 def make_arg_parser() -> argparse.ArgumentParser:
     """vLLM's server and engine flags (the subset jaxserve implements)."""
-    p = argparse.ArgumentParser(prog="python -m jaxserve.serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    p = engine_arg_parser("python -m jaxserve.serve", __doc__.splitlines()[0])
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to listen on every interface")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -74,6 +71,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         help="export each request's trace as OpenTelemetry spans to this OTLP "
                              "HTTP endpoint (e.g. http://127.0.0.1:4318/v1/traces; needs the otel extra)")
     EngineArgs.add_cli_args(p)
+    return p
+
+
+def engine_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A command line of the engine (serve, preflight): the model as a positional argument
+    (`vllm serve MODEL`'s form); the caller adds its own flags, then the engine's."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     return p
 
 

@@ -24,7 +24,7 @@ from forward import prompt_logits  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.model_files import resolve_model  # noqa: E402
 from jaxserve.models import LlamaForCausalLM  # noqa: E402
-from jaxserve.models.llama import ModelOptions
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
 from jaxserve.models.quantization import pack_params, param_bytes, quantize_params  # noqa: E402
 from jaxserve.worker.worker import resolve_packed_weights  # noqa: E402

@@ -34,7 +34,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
 from jaxserve.models import ArchConfig, LlamaForCausalLM
-from jaxserve.models.llama import ModelOptions
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params

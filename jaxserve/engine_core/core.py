@@ -32,14 +32,15 @@ class ModelRunnerOutputHandle(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
 
-class Worker(Protocol):
-    """What the engine core needs from the worker (structural; never imported)."""
+class Executor(Protocol):
+    """What the engine core needs from the worker (vLLM's model executor: the Worker itself, or
+    a LeaderWorker over several hosts; structural, never imported)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 @runtime_checkable
-class AsyncWorker(Protocol):
+class AsyncExecutor(Protocol):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutputHandle: ...
 
 
@@ -69,7 +70,7 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        worker: Worker,
+        worker: Executor,
         batch_queue_size: int | None = None,
         freeze_gc: bool = False,
         request_tracing: bool = True,
@@ -91,7 +92,7 @@ class EngineCore:
         # In-flight steps, newest on the left.
         self.batch_queue: deque[tuple[ModelRunnerOutputHandle, SchedulerOutput, StepTrace | None]] = deque()
         self._execute_async = (
-            worker.execute_model_async if isinstance(worker, AsyncWorker) else None
+            worker.execute_model_async if isinstance(worker, AsyncExecutor) else None
         )
         # The loop's one step, for the offline LLM and the engine-core process alike: None
         # means a step was only dispatched (the next call collects it).

@@ -17,205 +17,26 @@ kernels see an ordinary paged cache and nothing copies a layer out of the stack.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
 
 import kernels_pallas
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
+from jaxserve.models.attention import Attention, ModelOptions, attention_options, kv_cache_layout
+from jaxserve.models.gemma import GemmaDecoderLayer
 from jaxserve.models.layers import RMSNorm, SwiGLU
 from jaxserve.models.moe import MixedMLP, MoE
-from jaxserve.models.rope import apply_rope, needs_seq_lens, rope_cos_sin, token_seq_lens
+from jaxserve.models.rope import needs_seq_lens, rope_cos_sin, token_seq_lens
 from jaxserve.models.quantization import (
     INT8_LAYERS,
     MLP_STACKS,
     dense as make_dense,
     embed as make_embed,
 )
-
-
-# A token's heads (the first axis of its entries in every layout) over "model".
-KV_CACHE_SPEC = PartitionSpec(None, None, None, "model")
-# --kv-cache-dtype fp8*: on CPU/GPU the cache is uint8 holding fp8 bits, as in vLLM (an fp8
-# array costs XLA's CPU scatter a whole-cache conversion: 2.8 s a decode step measured). The
-# kernels scale by k_scale = v_scale = 1.0, vLLM's default without calibrated scales.
-FP8_KV_SCALE = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-    """How the model runs, read by every module of it (the checkpoint's shape is `ArchConfig`)."""
-
-    dtype: Any = jnp.float32
-    attention_backend: str = "reference"
-    attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
-    mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
-    quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
-    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
-    expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
-    platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
-    packed_weights: bool = False  # bf16 weights packed for oneDNN (quantization.pack_params)
-
-    @property
-    def cpu_kernel(self) -> bool:
-        """Whether the CPU int8 matmul kernel may run (it has no sharding rule)."""
-        return self.mesh is None
-
-
-def kv_cache_layout(cfg: ArchConfig, dtype: Any, attention_backend: str,
-                    kv_cache_dtype: str = "auto", tp: int = 1) -> kernels_pallas.KVCacheLayout:
-    """One device's cache layout: its `num_kv_heads / tp` heads, in the values' type (the
-    model's dtype for --kv-cache-dtype auto), as the attention backend's kernels take it."""
-    return kernels_pallas.kv_cache_layout(cfg.num_key_value_heads // tp, cfg.head_dim,
-                                          kv_values_dtype(kv_cache_dtype, dtype),
-                                          backend=attention_backend)
-
-
-def attention_options(cfg: ArchConfig, local: bool | None = None) -> dict[str, Any]:
-    """The model's attention variations the kernels take: the sliding window (Mistral's on
-    every layer; with per-layer kinds, a `local` layer's), Gemma 2's logit soft cap."""
-    out: dict[str, Any] = {}
-    types = cfg.layer_types
-    if local is None:
-        local = types is None or all(t == "sliding_attention" for t in types)
-    if cfg.sliding_window and local:
-        out["sliding_window"] = cfg.sliding_window
-    if cfg.attn_logit_softcap:
-        out["soft_cap"] = float(cfg.attn_logit_softcap)
-    return out
-
-
-def paged_attention(
-    q: jax.Array,  # [T, q_heads, D]
-    k: jax.Array,  # [T, kv_heads, D]
-    v: jax.Array,
-    kv_cache: jax.Array,  # [L, num_pages, page_size, *layout.token_shape] (this device's heads)
-    layer_idx: jax.Array,
-    md: AttentionMetadata,
-    *,
-    sm_scale: float,
-    backend: str,
-    interpret: bool,
-    options: dict[str, Any] | None = None,
-    kv_cache_dtype: str,
-    write: bool = True,
-    read: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-    """Write this layer's K/V into the stacked cache, then attend over it (`write=False`:
-    only attend, the caller wrote them; `read=False`: only write, and `q` comes back).
-
-    The cache is viewed as `[L * num_pages, ...]` (a free reshape) with page ids
-    and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
-    paged cache and no layer is copied out of the stack. `kv_cache_dtype` names the
-    values the cache holds ("float32", "bfloat16", "fp8", ...).
-    """
-    options = options or {}
-    num_layers, num_pages, page_size = kv_cache.shape[:3]
-    flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
-    layout = kernels_pallas.kv_cache_layout(k.shape[1], k.shape[2], kv_cache_dtype, backend=backend)
-    kv: dict[str, Any] = dict(layout=layout)
-    if layout.is_fp8:
-        kv.update(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
-    page_offset = layer_idx * num_pages
-    if write:
-        with jax.named_scope("kv_cache_update"):
-            flat = kernels_pallas.update_kv_cache(
-                flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
-                interpret=interpret, **kv,
-            )
-    if not read:
-        return q, flat.reshape(kv_cache.shape)
-    with jax.named_scope("attention"):
-        out = kernels_pallas.ragged_paged_attention(
-            q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan, **options,
-            **kv,
-        )
-    return out, flat.reshape(kv_cache.shape)
-
-
-class Attention(nn.Module):
-    cfg: ArchConfig
-    opts: ModelOptions
-
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,  # [T, hidden]
-        layer_idx: jax.Array,  # int32[]
-        cos: jax.Array,
-        sin: jax.Array,
-        kv_cache: jax.Array,
-        md: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:
-        cfg, opts = self.cfg, self.opts
-        T = x.shape[0]
-        def dense(n: int, bias: bool, name: str) -> nn.Module:
-            return make_dense(n, bias, opts.dtype, opts.quantization, name, cfg.num_hidden_layers,
-                              cpu_kernel=opts.cpu_kernel, packed=opts.packed_weights)
-        q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
-        k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
-        v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
-        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            offset = 1.0 if cfg.gemma else 0.0
-            q = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="k_norm")(k)
-
-        def attention(local: bool | None, write: bool = True, read: bool = True) -> Any:
-            run = functools.partial(
-                paged_attention, sm_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
-                backend=opts.attention_backend, interpret=opts.attention_interpret,
-                options=attention_options(cfg, local),
-                kv_cache_dtype=kv_values_dtype(opts.kv_cache_dtype, opts.dtype), write=write,
-                read=read,
-            )
-            if opts.mesh is not None:
-                # Each device attends with its own heads over its own slice of the cache:
-                # no communication inside attention (o_proj's all-reduce follows).
-                heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
-                run = jax.shard_map(
-                    run, mesh=opts.mesh,
-                    in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
-                    out_specs=(heads, cache), check_vma=False,
-                )
-            return run
-
-        # cos / sin [2, T, .] when sliding layers have a rope of their own (Gemma 3).
-        def rope(x: jax.Array, local: bool) -> jax.Array:
-            return apply_rope(x, cos[int(local)], sin[int(local)]) if cos.ndim == 3 else \
-                apply_rope(x, cos, sin)
-
-        kinds = cfg.local_layers
-        if kinds is None:
-            out, kv_cache = attention(None)(rope(q, False), rope(k, False), v, kv_cache,
-                                            layer_idx, md)
-        else:
-            # Layers of both kinds in one scan. The cache is written outside the branch (a
-            # branch that wrote it made XLA's GPU pipeline copy the cache); each branch only
-            # reads it, with its window, rope and plan.
-            local = jnp.asarray(kinds)[layer_idx]
-            if cos.ndim == 3:
-                q = jnp.where(local, rope(q, True), rope(q, False))
-                k = jnp.where(local, rope(k, True), rope(k, False))
-            else:
-                q, k = rope(q, False), rope(k, False)
-            _, kv_cache = attention(None, read=False)(q, k, v, kv_cache, layer_idx, md)
-
-            def read(is_local: bool) -> jax.Array:
-                step_md = dataclasses.replace(md, plan=md.plan[int(is_local)])
-                return attention(is_local, write=False)(q, k, v, kv_cache, layer_idx, step_md)[0]
-
-            out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
-        out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)
-        return out, kv_cache
 
 
 class DecoderLayer(nn.Module):
@@ -262,8 +83,6 @@ class LlamaForCausalLM(nn.Module):
         cfg, opts = self.cfg, self.opts
         self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.quantization,
                                        opts.cpu_kernel, opts.packed_weights and cfg.tie_word_embeddings)
-        from jaxserve.models.gemma import GemmaDecoderLayer  # it builds on this file's Attention
-
         self.layers = nn.scan(
             GemmaDecoderLayer if cfg.gemma else DecoderLayer,
             variable_axes={"params": 0},
@@ -344,8 +163,3 @@ class LlamaForCausalLM(nn.Module):
         token = layout.token_shape
         shape = (self.cfg.num_hidden_layers, num_pages, page_size, tp * token[0], *token[1:])
         return jax.ShapeDtypeStruct(shape, layout.storage_dtype)
-
-
-def kv_values_dtype(kv_cache_dtype: str, dtype: Any) -> str:
-    """--kv-cache-dtype -> the name of the values the cache holds ("auto": the model's dtype)."""
-    return kv_cache_dtype if kv_cache_dtype != "auto" else jnp.dtype(dtype).name

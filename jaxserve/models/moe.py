@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.quantization import (
     INT8_LAYERS,
     MLP_STACKS,
@@ -185,7 +186,7 @@ class MoE(nn.Module):
     """The sparse feed-forward of one layer (inside the layer scan: params get [L, ...])."""
 
     cfg: ArchConfig
-    opts: Any  # ModelOptions
+    opts: ModelOptions
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
@@ -249,7 +250,7 @@ class MixedMLP(nn.Module):
     `gate`, `w_gate`/`w_up`/`w_down`, `gate_proj`/`up_proj`/`down_proj`)."""
 
     cfg: ArchConfig
-    opts: Any  # ModelOptions
+    opts: ModelOptions
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:

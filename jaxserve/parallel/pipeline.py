@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
-from jaxserve.models.llama import ModelOptions
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.quantization import param_tree
 from jaxserve.parallel.sharding import param_shardings
 

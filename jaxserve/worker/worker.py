@@ -26,7 +26,7 @@ from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
-from jaxserve.models.llama import ModelOptions, kv_cache_layout
+from jaxserve.models.attention import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.quantization import pack_params, param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax

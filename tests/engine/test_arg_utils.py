@@ -44,6 +44,9 @@ def test_every_command_line_takes_every_engine_flag_with_its_default(command: st
     args = parser.parse_args(["--target", "v5e:1x1"] if command == "preflight" else [])
     defaults = dataclasses.replace(EngineArgs(), **OVERRIDES.get(command, {}))
     assert EngineArgs.from_cli_args(args) == defaults
+    # The HTTP server's flags mean nothing to the other commands: they do not offer them.
+    server_only = {"host", "port", "api_key", "uvicorn_log_level", "allowed_origins"}
+    assert (server_only <= set(flags)) if command == "serve" else not server_only & set(flags)
 
 
 def test_flags_parse_to_the_config_under_vllms_names() -> None:

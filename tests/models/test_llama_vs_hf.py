@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import LlamaForCausalLM
-from jaxserve.models.llama import ModelOptions
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
 from tests.models.tiny import hf_logits, save_tiny_hf

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
-from jaxserve.models.llama import ModelOptions
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.quantization import (
     INT8_LAYERS, dequantize_int8, model_variables, pack_params, param_bytes, param_tree, quantize_int8,

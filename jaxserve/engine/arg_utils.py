@@ -73,7 +73,8 @@ BOOL = argparse.BooleanOptionalAction
 
 @dataclass
 class EngineArgs:
-    """The engine's arguments under vLLM's names; `create_engine_config()` validates them."""
+    """The engine's arguments under vLLM's names; `create_engine_config()` validates them.
+    A default that a config section also has is that section's (one place for each)."""
 
     # model
     model: str | None = field(default=None, metadata=_arg(
@@ -83,7 +84,7 @@ class EngineArgs:
         nargs="+"))
     tokenizer: str | None = field(default=None, metadata=_arg(
         "model", "HF directory or .gguf file of the tokenizer, if not the model's"))
-    dtype: str = field(default="auto", metadata=_arg(
+    dtype: str = field(default=ModelConfig.dtype, metadata=_arg(
         "model", "weights and activations (auto: bfloat16 on GPU/TPU; on the CPU float32, with "
         "bfloat16 weights (as --quantization bf16) for dense models where the CPU has AVX512-BF16 "
         "or AMX)",
@@ -94,13 +95,13 @@ class EngineArgs:
         "model", "weight-only, converted at load from any checkpoint: int8 (per-channel int8 "
         "weights) or bf16 (bfloat16 weights; on the CPU oneDNN's bf16 matmul); activations stay "
         "float32 on the CPU", "-q", choices=list(QUANTIZATION_METHODS)))
-    load_format: str = field(default="auto", metadata=_arg(
+    load_format: str = field(default=ModelConfig.load_format, metadata=_arg(
         "model", "dummy: random weights of the model's shapes (its config.json alone "
         "suffices), for benchmarks and device checks", choices=list(LOAD_FORMATS)))
-    skip_tokenizer_init: bool = field(default=False, metadata=_arg(
+    skip_tokenizer_init: bool = field(default=ModelConfig.skip_tokenizer_init, metadata=_arg(
         "model", "load no tokenizer (a checkpoint without one): prompts are token ids, outputs "
         "token ids only", action="store_true"))
-    seed: int = field(default=0, metadata=_arg(
+    seed: int = field(default=ModelConfig.seed, metadata=_arg(
         "model", "engine seed (requests without a seed derive theirs from it)", type=int))
     cpu_auto_bf16: bool | None = field(default=None, metadata=_arg(
         "model", "on a CPU with bf16 units (AVX512-BF16, AMX), --dtype auto gives dense models "
@@ -111,31 +112,31 @@ class EngineArgs:
         f"--no-cpu-packed-weights keeps plain rows (default: yes, unless "
         f"${CPU_PACKED_WEIGHTS_ENV}=0)", action=BOOL))
     # cache
-    block_size: int = field(default=16, metadata=_arg(
+    block_size: int = field(default=CacheConfig.block_size, metadata=_arg(
         "cache", "tokens per KV-cache page", type=int))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_arg(
+    gpu_memory_utilization: float = field(default=CacheConfig.gpu_memory_utilization, metadata=_arg(
         "cache", "fraction of accelerator memory for weights, activations and KV cache",
         type=float))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_arg(
         "cache", "KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
         "--gpu-memory-utilization of the device)", type=human_readable_int))
-    kv_cache_dtype: str = field(default="auto", metadata=_arg(
+    kv_cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=_arg(
         "cache", "KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
         "one byte each (k_scale = v_scale = 1.0)", choices=list(KV_CACHE_DTYPES)))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_arg(
         "cache", "KV-cache pages, overriding the memory budget", type=int))
-    enable_prefix_caching: bool = field(default=True, metadata=_arg(
+    enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
         "cache", "reuse KV pages of shared prompt prefixes", action=BOOL))
     # scheduler
-    max_num_seqs: int = field(default=64, metadata=_arg(
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=_arg(
         "scheduler", "most requests in the running batch", type=int))
-    max_num_batched_tokens: int = field(default=512, metadata=_arg(
+    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=_arg(
         "scheduler", "most tokens in one step (chunked prefill splits longer prompts)",
         type=human_readable_int))
-    async_scheduling: bool = field(default=True, metadata=_arg(
+    async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=_arg(
         "scheduler", "schedule step N+1 while step N runs (off with speculative decoding)",
         action=BOOL))
-    scheduling_policy: str = field(default="fcfs", metadata=_arg(
+    scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=_arg(
         "scheduler", "order of the waiting queue", choices=[p.value for p in SchedulingPolicy]))
     speculative_config: dict | SpeculativeConfig | None = field(default=None, metadata=_arg(
         "scheduler", 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens":'
@@ -151,14 +152,14 @@ class EngineArgs:
         '"normalize": false}\' (pooling_type LAST, MEAN or CLS; default LAST, normalized)',
         "--override-pooler-config", type=json_object, metavar="JSON"))
     # parallel
-    tensor_parallel_size: int = field(default=1, metadata=_arg(
+    tensor_parallel_size: int = field(default=ParallelConfig.tensor_parallel_size, metadata=_arg(
         "parallel", "devices each layer is split over", "-tp", type=int))
-    pipeline_parallel_size: int = field(default=1, metadata=_arg(
+    pipeline_parallel_size: int = field(default=ParallelConfig.pipeline_parallel_size, metadata=_arg(
         "parallel", "stages the layers are split into", "-pp", type=int))
-    enable_expert_parallel: bool = field(default=False, metadata=_arg(
+    enable_expert_parallel: bool = field(default=ParallelConfig.enable_expert_parallel, metadata=_arg(
         "parallel", "mixture of experts: split the experts over the tensor-parallel devices "
         "(E / tp whole experts each) instead of every expert's columns", action="store_true"))
-    data_parallel_size: int = field(default=1, metadata=_arg(
+    data_parallel_size: int = field(default=ParallelConfig.data_parallel_size, metadata=_arg(
         "parallel", "engine-core processes, each with its own devices, KV cache and scheduler",
         "-dp", type=int))
     distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
@@ -168,15 +169,15 @@ class EngineArgs:
     distributed_process_id: int | None = field(default=None, metadata=_arg(
         "parallel", "this host's process (default: $JAX_PROCESS_ID)", cli=False))
     # worker
-    enforce_eager: bool = field(default=False, metadata=_arg(
+    enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=_arg(
         "worker", "skip compiling the buckets at start-up (compile lazily)", action="store_true"))
-    attention_backend: str = field(default="auto", metadata=_arg(
+    attention_backend: str = field(default=EngineConfig.attention_backend, metadata=_arg(
         "worker", "attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
         "reference, or any registered variant"))
-    attention_interpret: bool = field(default=False, metadata=_arg(
+    attention_interpret: bool = field(default=EngineConfig.attention_interpret, metadata=_arg(
         "worker", "run Pallas attention variants in interpret mode (tests, research)",
         action="store_true"))
-    request_tracing: bool = field(default=True, metadata=_arg(
+    request_tracing: bool = field(default=EngineConfig.request_tracing, metadata=_arg(
         "worker", "trace each request box by box (/debug); --no-request-tracing turns it off",
         action=BOOL))
 

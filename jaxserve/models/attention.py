@@ -25,7 +25,7 @@ from jaxserve.models.rope import apply_rope
 # A token's heads (the first axis of its entries in every layout) over "model".
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model")
 # --kv-cache-dtype fp8*: on CPU/GPU the cache is uint8 holding fp8 bits, as in vLLM (an fp8
-# array costs XLA's CPU scatter a whole-cache conversion: 2.8 s a decode step measured). The
+# array costs XLA's CPU scatter a whole-cache conversion every step). The
 # kernels scale by k_scale = v_scale = 1.0, vLLM's default without calibrated scales.
 FP8_KV_SCALE = 1.0
 

@@ -58,7 +58,8 @@ def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
 
 
 def resolve_dtype(dtype: str, platform: str) -> Any:
-    """`auto` is bfloat16 on GPU/TPU and float32 on the CPU (bf16 is 3-6x slower there)."""
+    """`auto` is bfloat16 on GPU/TPU and float32 on the CPU (XLA's bf16 is slower there:
+    docs/benchmarks.md, "Figures the code's comments used to hold")."""
     if dtype == "auto":
         return jnp.float32 if platform == "cpu" else jnp.bfloat16
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]

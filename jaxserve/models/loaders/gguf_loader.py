@@ -181,8 +181,8 @@ def load_gguf(path: str, dtype: Any, quantization: str | None = None) -> tuple[A
 
     Each tensor is dequantized on its own when read; with `quantization="int8"` it is
     quantized again at once, so the float32 model never exists whole. (Q8_0's blocks of 32
-    are not taken over as they are: our int8 groups are 64 inputs, at one token 1.6x faster
-    in XLA's CPU matmul than groups of 32.)
+    are not taken over as they are: our int8 groups are 64 inputs, faster in XLA's CPU matmul
+    at one token than groups of 32.)
     """
     reader = read_gguf(path)
     cfg, permuted = gguf_arch_config(reader, path)

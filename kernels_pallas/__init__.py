@@ -6,8 +6,9 @@ Imports JAX only, never `jaxserve`. Pick a variant by name:
                                  sm_scale=head_dim ** -0.5, backend="gpu")
     kv_pages = update_kv_cache(kv_pages, k, v, slot_mapping, backend="gpu")
 
-The cache layout is the kernels' to say per platform: `kv_cache_shape(...)` /
-`kv_cache_layout(...)` (kernels_pallas/kv_cache.py draws both layouts).
+The cache layout is the kernels' to say per platform: `new_kv_cache(...)` makes a cache and
+its layout together (pass both: `layout=`), `kv_cache_shape(...)` / `kv_cache_layout(...)`
+say them apart (kernels_pallas/kv_cache.py draws both layouts).
 
 Variants live one file each in `kernels_pallas/ragged_paged_attention/` (see registry.py).
 NOTE: `kernels_pallas.ragged_paged_attention` is this function, not the subpackage; import
@@ -43,6 +44,7 @@ __all__ = [
     "kv_cache_layout",
     "kv_cache_shape",
     "list_backends",
+    "new_kv_cache",
     "ragged_paged_attention",
     "register_backend",
     "update_kv_cache",
@@ -75,6 +77,18 @@ def kv_cache_shape(
     every variant accepts it."""
     layout = kv_cache_layout(num_kv_heads, head_dim, kv_cache_dtype, platform=platform)
     return layout.cache_shape(num_pages, page_size), layout.storage_dtype
+
+
+def new_kv_cache(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, *,
+    platform: str | None = None, backend: str | None = None,
+) -> tuple[jax.Array, KVCacheLayout]:
+    """A zeroed paged cache (one layer) in the layout `backend`'s kernels take (or `platform`'s
+    default kernel's), and that layout: pass it as `layout=` to `ragged_paged_attention` and
+    `update_kv_cache` (a packed cache's layout cannot be read off its shape)."""
+    layout = kv_cache_layout(num_kv_heads, head_dim, kv_cache_dtype, platform=platform,
+                             backend=backend)
+    return jax.numpy.zeros(layout.cache_shape(num_pages, page_size), layout.storage_dtype), layout
 
 
 def ragged_paged_attention(

@@ -217,7 +217,8 @@ def standard_layout(kv_pages: Any, kv_cache_dtype: str = "auto") -> KVCacheLayou
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
         raise ValueError(
             f"kv_pages {tuple(kv_pages.shape)} is not a standard cache [num_pages, page_size, "
-            "2 * num_kv_heads, head_dim]; pass the cache's layout= for a packed one")
+            "2 * num_kv_heads, head_dim]; pass the cache's layout= for a packed one (what "
+            "kernels_pallas.new_kv_cache returns beside the cache, or kv_cache_layout(...))")
     if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         dtype = kv_cache_dtype
     else:

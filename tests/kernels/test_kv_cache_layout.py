@@ -63,6 +63,24 @@ def test_kv_cache_shape_per_platform() -> None:
         kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "rocm")
 
 
+def test_a_cache_comes_with_its_layout() -> None:
+    # The TPU's packed cache cannot be read off its shape: new_kv_cache hands out the layout
+    # the entry points take, and without it they say so.
+    cache, layout = kernels_pallas.new_kv_cache(4, 16, 3, 64, "bfloat16", platform="tpu")
+    assert (cache.shape, cache.dtype) == kernels_pallas.kv_cache_shape(4, 16, 3, 64, "bfloat16", "tpu")
+    assert layout.packed and cache.shape[2:] == layout.token_shape
+    k = v = jnp.ones((2, 3, 64), BF16)
+    slots = jnp.asarray([16, 17], jnp.int32)
+    written = kernels_pallas.update_kv_cache(cache, k, v, slots, layout=layout)
+    q = jnp.ones((2, 6, 64), BF16)
+    args = (jnp.asarray([2], jnp.int32), jnp.asarray([[1, 0, 0, 0]], jnp.int32),
+            jnp.asarray([0, 2], jnp.int32), jnp.asarray([1], jnp.int32))
+    out = kernels_pallas.ragged_paged_attention(q, written, *args, sm_scale=0.125, layout=layout)
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0, rtol=1e-2)  # v is all ones
+    with pytest.raises(ValueError, match="new_kv_cache"):
+        kernels_pallas.ragged_paged_attention(q, written, *args, sm_scale=0.125)
+
+
 @functools.cache
 def _reference_jit():
     return jax.jit(reference, static_argnames=("sm_scale", "sliding_window", "soft_cap",

@@ -17,13 +17,12 @@ from tqdm import tqdm
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.build import build_engine_core, run_follower_process
 from jaxserve.engine_core.request import Request
-from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, Processor
+from jaxserve.engine.front_end import load_front_end
+from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.models.tokenizer import load_tokenizer
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
 
@@ -43,37 +42,27 @@ class LLM:
             steps = run_follower_process(config)
             logging.getLogger(__name__).info("followed process 0 for %d steps", steps)
             raise SystemExit(0)
-        files = resolve_model(model)
-        self.tokenizer = (None if config.model_config.skip_tokenizer_init
-                          else load_tokenizer(config.model_config.tokenizer or files))
-        self._model_eos = model_eos_token_ids(files)
-        self._generation_defaults = generation_defaults(files)
-        built = build_engine_core(config, self._eos())
+        self.front_end = load_front_end(config.model_config)
+        self.tokenizer = self.front_end.tokenizer
+        built = build_engine_core(config, self.front_end.eos_token_id)
         self.engine = built
         self.engine_core = built.core
         self.config = built.config
         self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
         # The checks shared with the API server (jaxserve/engine/processor.py).
-        self.processor = Processor(
+        self.processor = self.front_end.processor(
             self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
-            frozenset(self._model_eos),
-            encode=None if self.tokenizer is None else (
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False)),
-            pooler_config=self.config.pooler_config)
+            self.config.pooler_config)
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:
             atexit.register(self.shutdown)  # a script that ends still releases the others
 
-    def _eos(self) -> int | None:
-        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        return None if eos is None else int(eos)
-
     # ---- public API --------------------------------------------------------------------
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
-        return SamplingParams(**self._generation_defaults)
+        return SamplingParams(**self.front_end.generation_defaults)
 
     def generate(
         self,
@@ -170,7 +159,7 @@ class LLM:
         request_id = str(next(self._counter))
         for cid, p in self.output_processor.add_request(request_id, text, token_ids, params,
                                                         pooling_params=pooling_params):
-            self.engine_core.add_request(Request(cid, token_ids, p, self._eos(), priority=priority,
+            self.engine_core.add_request(Request(cid, token_ids, p, self.front_end.eos_token_id, priority=priority,
                                                  pooling_params=pooling_params))
         return request_id
 

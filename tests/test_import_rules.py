@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_processor",
-                    "processor", "arg_utils"]
+                    "processor", "arg_utils", "front_end"]
 JAX_FREE = [
     "jaxserve/engine_core",
     "jaxserve/api_server",

@@ -28,8 +28,7 @@ from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.config import EngineConfig
 from jaxserve.engine.messages import new_ipc_addresses
 from jaxserve.engine.core_process import launch_engine_core
-from jaxserve.models.model_files import generation_defaults, model_eos_token_ids, resolve_model
-from jaxserve.models.tokenizer import load_tokenizer
+from jaxserve.engine.front_end import load_front_end
 
 logger = logging.getLogger("jaxserve.api_server")
 
@@ -40,19 +39,15 @@ ENGINE_DEAD_GRACE_S = 2.0
 
 async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve until interrupted; returns the process exit status."""
-    files = resolve_model(config.model_config.model)
-    tokenizer = (None if config.model_config.skip_tokenizer_init
-                 else load_tokenizer(files if args.tokenizer is None else args.tokenizer))
-    if args.chat_template is not None:
-        tokenizer.chat_template = args.chat_template  # the template's text (serve.main read it)
-    defaults = ({} if args.generation_config == "vllm" else generation_defaults(
-        files if args.generation_config == "auto" else args.generation_config))
+    # --chat-template: the template's text (serve.main read it).
+    front = load_front_end(config.model_config, args.generation_config, args.chat_template)
+    files, tokenizer, defaults = front.files, front.tokenizer, front.generation_defaults
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s "
                     "(--generation-config vllm to ignore them)", defaults)
-    # Without a tokenizer the model's EOS ids (config.json, generation_config.json) still
-    # stop generation: ServingContext adds them as stop tokens.
-    eos = None if tokenizer is None or tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
+    # The scheduler stops on the tokenizer's EOS; the model's other EOS ids (config.json,
+    # generation_config.json; all of them without a tokenizer) the processor adds as stops.
+    eos = front.eos_token_id
     names = args.served_model_name or [files.name]
     metrics = ServerMetrics(names[0])
     exporter = None
@@ -86,9 +81,10 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         )
         ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
                              max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
+                             processor=front.processor(ready.max_model_len, ready.vocab_size,
+                                                       config.pooler_config, args.max_logprobs),
                              trust_request_chat_template=args.trust_request_chat_template,
-                             model_eos_token_ids=model_eos_token_ids(files),
-                             default_sampling=defaults, max_logprobs=args.max_logprobs,
+                             default_sampling=defaults,
                              tool_call_parser=args.tool_call_parser,
                              enable_auto_tool_choice=args.enable_auto_tool_choice,
                              reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,

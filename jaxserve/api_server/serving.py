@@ -37,7 +37,7 @@ from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.config import PoolerConfig
 from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
 
 T = TypeVar("T")
@@ -126,12 +126,12 @@ class ServingContext:
     served_model_names: list[str]
     max_model_len: int
     vocab_size: int
+    # The request checks shared with the offline LLM (FrontEnd.processor,
+    # jaxserve/engine/front_end.py): limits, the model's EOS ids, --max-logprobs.
+    processor: Processor
     trust_request_chat_template: bool = False
-    # The model's EOS ids besides the tokenizer's (stop requests like stop_token_ids).
-    model_eos_token_ids: frozenset[int] = frozenset()
     # Sampling defaults from the model's generation_config.json (--generation-config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
-    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
@@ -146,20 +146,11 @@ class ServingContext:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize"))
     max_token_chars: int = 0  # longest_token_chars(tokenizer), computed when 0
     pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: /v1/embeddings
-    # The checks shared with the offline LLM (jaxserve/engine/processor.py).
-    processor: Processor = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
             self.max_token_chars = (1 if self.tokenizer is None
                                     else longest_token_chars(self.tokenizer))
-        self.processor = Processor(self.max_model_len, self.vocab_size,
-                                   self.model_eos_token_ids, self.max_logprobs,
-                                   encode=None if self.tokenizer is None else self._encode_plain,
-                                   pooler_config=self.pooler_config)
-
-    def _encode_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def model_name(self) -> str:

@@ -22,13 +22,16 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.serve import engine_arg_parser, engine_config_from_args
 from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
 from jaxserve.worker.targets import Target, parse_target, supported_targets
+
+if TYPE_CHECKING:
+    from jaxserve.worker.programs import ProgramKind
 
 # GPU programs must not spill registers (a spill is local-memory traffic in every step).
 GPU_COMPILER_OPTIONS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
@@ -167,7 +170,7 @@ def validate(args: argparse.Namespace) -> tuple[Target, Any, ModelFiles, Any]:
 
 
 def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: bool = True,
-                  threads: int | None = None, kinds: tuple[str, ...] | None = None
+                  threads: int | None = None, kinds: tuple[ProgramKind, ...] | None = None
                   ) -> PreflightReport:
     """Size the cache and compile every program for `target` (the JAX part); `threads`
     compiles at once for a GPU (default: one per CPU core, at most 4); `kinds` keeps only
@@ -179,7 +182,7 @@ def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: 
 
 
 def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
-         threads: int | None, kinds: tuple[str, ...] | None) -> PreflightReport:
+         threads: int | None, kinds: tuple[ProgramKind, ...] | None) -> PreflightReport:
     import jax
 
     from jaxserve.worker.programs import compile_programs
@@ -235,6 +238,19 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     return report
 
 
+def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
+    """--programs: comma-separated kinds (ValueError naming the known ones)."""
+    if not value:
+        return None
+    from jaxserve.worker.programs import ProgramKind
+
+    known = [k.value for k in ProgramKind]
+    unknown = [k for k in value.split(",") if k not in known]
+    if unknown:
+        raise ValueError(f"--programs: unknown kind(s) {unknown}; one of {', '.join(known)}")
+    return tuple(ProgramKind(k) for k in value.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     # The runtime backend does not matter here (the devices are compile-only); the CPU's
     # starts at once, where probing for a GPU or TPU runtime prints errors or waits.
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     try:
-        kinds = tuple(args.programs.split(",")) if args.programs else None
+        kinds = program_kinds(args.programs)
         report = run_preflight(config, target, files, on_first_use=not args.only_warm_up,
                                threads=args.compile_threads, kinds=kinds)
     except ValueError as e:  # e.g. more devices asked for than the topology has

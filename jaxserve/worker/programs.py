@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import re
 import threading
 import time
@@ -42,12 +43,23 @@ if TYPE_CHECKING:
 COMPILE_THREAD_STACK_BYTES = 512 << 20
 
 
+class ProgramKind(enum.StrEnum):
+    """What a program does (preflight's --programs takes these names)."""
+
+    FORWARD = "forward"
+    SAMPLE = "sample"
+    VERIFY = "verify"  # the speculative-decoding sampler
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    POOL = "pool"
+    ADMIT = "admit"
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled program of the engine, with abstract (or concrete) arguments."""
 
     name: str  # e.g. "forward[T=512]", "sample[R=64, greedy]"
-    kind: str  # forward | sample | verify | prompt_logprobs | pool | admit
+    kind: ProgramKind
     fn: Callable[..., Any]  # the jitted function the runner dispatches
     args: tuple[Any, ...]  # static values and ShapeDtypeStructs / arrays
     mesh: Mesh
@@ -178,10 +190,10 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
                         continue
                     name += ", every token"
                 buf = i32((runner.forward_packing(T).size,), st.mesh)
-                out.append(Program(name + "]", "forward", runner._stage,
+                out.append(Program(name + "]", ProgramKind.FORWARD, runner._stage,
                                    (st.index, T, all_rows, st.params, st.kv_cache, x, buf),
                                    st.mesh, cache_arg=4, at_warm_up=not all_rows, bucket=T,
-                                   group=("forward", st.index, all_rows)))
+                                   group=(ProgramKind.FORWARD, st.index, all_rows)))
     last = runner.stages[-1]
     hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), dtype, sharding=last.replicated)
     words = -(-runner.model.cfg.vocab_size // 32)
@@ -189,7 +201,7 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
         buf = i32((sampler_packing(R, verify).size,), last.mesh)
         for mode in SamplerMode:
             for grammar in (False, True) if on_first_use else (False,):
-                kind = "verify" if verify else "sample"
+                kind = ProgramKind.VERIFY if verify else ProgramKind.SAMPLE
                 extra = (i32((R, words), last.mesh),) if grammar else ()
                 name = f"{kind}[R={R}, {mode.value}{', grammar' if grammar else ''}]"
                 out.append(Program(name, kind, runner._sample,
@@ -200,14 +212,15 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
     if on_first_use:
         for T in runner.token_buckets:
             every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
-            out.append(Program(f"prompt_logprobs[T={T}]", "prompt_logprobs", runner._prompt_lp,
-                               (runner.params, every, i32((T,), last.mesh)), last.mesh,
-                               at_warm_up=False, bucket=T, group=("prompt_logprobs",)))
-            out.append(Program(f"pool[T={T}]", "pool", runner._pool,
+            out.append(Program(f"prompt_logprobs[T={T}]", ProgramKind.PROMPT_LOGPROBS,
+                               runner._prompt_lp, (runner.params, every, i32((T,), last.mesh)),
+                               last.mesh, at_warm_up=False, bucket=T,
+                               group=(ProgramKind.PROMPT_LOGPROBS,)))
+            out.append(Program(f"pool[T={T}]", ProgramKind.POOL, runner._pool,
                                (every, i32((T,), last.mesh), runner.max_num_seqs), last.mesh,
-                               at_warm_up=False, bucket=T, group=("pool",)))
+                               at_warm_up=False, bucket=T, group=(ProgramKind.POOL,)))
     arrays = admit_inputs(runner.batch.max_model_len, runner.model.cfg.vocab_size, [], [])
-    out.append(Program("admit", "admit", runner._admit,
+    out.append(Program("admit", ProgramKind.ADMIT, runner._admit,
                        (runner.penalties, i32((), last.mesh),
                         *(abstract(a, last.replicated) for a in arrays)), last.mesh))
     return out
@@ -250,8 +263,10 @@ def sizing_programs(programs: list[Program]) -> list[Program]:
     very programs warm-up and first use compile (JAX's persistent cache serves them again)."""
     largest: dict[tuple[Any, ...], Program] = {}
     for p in programs:
-        wanted = (p.kind == "forward" and p.at_warm_up) or p.kind == "prompt_logprobs" or (
-            p.kind in ("sample", "verify") and p.group == (p.kind, SamplerMode.FILTERED, False))
+        wanted = ((p.kind is ProgramKind.FORWARD and p.at_warm_up)
+                  or p.kind is ProgramKind.PROMPT_LOGPROBS
+                  or (p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY)
+                      and p.group == (p.kind, SamplerMode.FILTERED, False)))
         if wanted and (p.group not in largest or p.bucket > largest[p.group].bucket):
             largest[p.group] = p
     return list(largest.values())

@@ -63,7 +63,7 @@ class ModelConfig:
     # vLLM's skip_tokenizer_init: no tokenizer (a checkpoint without one); prompts are token
     # ids and outputs are token ids only (no text, no stop strings).
     skip_tokenizer_init: bool = False
-    # The CPU fast path (jaxserve/worker/worker.py: resolve_quantization, resolve_packed_weights):
+    # The CPU fast path (jaxserve/engine/resolve.py: resolve_quantization, resolve_packed_weights):
     # whether `--dtype auto` may give a dense model bf16 weights on a CPU with bf16 units, and
     # whether bf16 weights are packed at load into oneDNN's layout there.
     cpu_auto_bf16: bool = True
@@ -323,6 +323,35 @@ class PoolerConfig:
         return PoolingParams(self.pooling_type, self.normalize if normalize is None else normalize)
 
 
+class WeightFormat(enum.Enum):
+    """The weights a model runs with (resolved from --dtype, --quantization and the platform)."""
+
+    FLOAT = "float"  # the model dtype's own float weights
+    INT8 = "int8"  # --quantization int8
+    BF16 = "bf16"  # bfloat16 weights, float32 activations (--quantization bf16, the CPU's default)
+    BF16_PACKED = "bf16 packed"  # the same, packed at load into oneDNN's layout (the CPU)
+
+    @property
+    def quantization(self) -> str | None:
+        """The quantization method the model's layers take (models/quantization.py)."""
+        return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
+                WeightFormat.BF16_PACKED: "bf16"}.get(self)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The settings that depend on the devices and the checkpoint, decided once in the engine
+    process before the worker is built (jaxserve/engine/resolve.py: resolve_engine_config).
+    The worker reads them and decides nothing; the API server gets them in the ready message."""
+
+    platform: str  # the devices' platform: "cpu", "gpu", "tpu"
+    dtype: str  # activations and float weights: "float32", "bfloat16", "float16"
+    weight_format: WeightFormat
+    weight_format_reason: str  # why (start-up logs it on the CPU)
+    attention_backend: str  # the kernel variant (--attention-backend auto resolved)
+    max_model_len: int  # --max-model-len, or the model's context length
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, one section per box."""
@@ -341,6 +370,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     pooler_config: PoolerConfig = PoolerConfig()
+    # Set by the resolution stage (jaxserve/engine/resolve.py); None before it ran.
+    resolved: ResolvedConfig | None = None
 
     @property
     def batch_queue_size(self) -> int:

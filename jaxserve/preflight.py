@@ -185,12 +185,14 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
          threads: int | None, kinds: tuple[ProgramKind, ...] | None) -> PreflightReport:
     import jax
 
+    from jaxserve.engine.resolve import resolve_engine_config
     from jaxserve.worker.programs import compile_programs
     from jaxserve.worker.targets import make_devices
     from jaxserve.worker.worker import Worker
 
     pc = config.parallel_config
     devices = make_devices(target, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+    config = resolve_engine_config(config, files, devices)
     worker = Worker(config, files, devices=devices)
     worker.load_abstract_model()
     cc, sc = config.cache_config, config.scheduler_config

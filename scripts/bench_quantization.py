@@ -27,7 +27,7 @@ from jaxserve.models import LlamaForCausalLM  # noqa: E402
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
 from jaxserve.models.quantization import pack_params, param_bytes, quantize_params  # noqa: E402
-from jaxserve.worker.worker import resolve_packed_weights  # noqa: E402
+from jaxserve.engine.resolve import resolve_packed_weights  # noqa: E402
 from jaxserve.models.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = [

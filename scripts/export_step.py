@@ -43,7 +43,7 @@ from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
 from jaxserve.worker.sampler_inputs import sampler_packing
 from jaxserve.worker.sampler import SamplerMode
-from jaxserve.worker.worker import AUTO_ATTENTION_BACKEND
+from jaxserve.engine.resolve import AUTO_ATTENTION_BACKEND
 
 SHAPES = {
     # SmolLM2-135M-Instruct, the default model.

@@ -5,7 +5,6 @@ Used by the offline `LLM` and by the engine-core process of the server.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.resolve import resolve_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.structured_output import StructuredOutputManager
@@ -28,30 +28,25 @@ logger = logging.getLogger(__name__)
 class BuiltEngine:
     core: EngineCore
     worker: Worker
-    config: EngineConfig  # with max_model_len resolved
+    config: EngineConfig  # resolved (jaxserve/engine/resolve.py)
     num_blocks: int
     timings: dict[str, float]
 
 
 def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
-    """Load, size, allocate and compile: every process of a multi-host engine does this."""
+    """Resolve, load, size, allocate and compile: every process of a multi-host engine does
+    this. Returns the worker, the resolved config and the number of KV pages."""
     files = resolve_model(config.model_config.model)
+    config = resolve_engine_config(config, files)
     worker = Worker(config, files)
     worker.load_model()
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
                 worker.quantization or np.dtype(worker.dtype).name)
     if config.model_config.quantization is None and worker.platform == "cpu":
-        logger.info("weights: %s", worker.quantization_reason)
+        logger.info("weights: %s", config.resolved.weight_format_reason)
     if worker.weight_matmul:
         logger.info("%s matmul: %s", worker.quantization, worker.weight_matmul)
-    sc = dataclasses.replace(config.scheduler_config, max_model_len=worker.max_model_len)
-    config = dataclasses.replace(
-        config,
-        scheduler_config=sc,
-        model_config=dataclasses.replace(config.model_config, max_model_len=worker.max_model_len),
-    )
-    worker.config = config
     num_blocks = worker.determine_num_blocks()
     worker.initialize_cache(num_blocks)
     cc = config.cache_config

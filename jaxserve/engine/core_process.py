@@ -178,8 +178,8 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
         sc = built.config.scheduler_config
         ready = EngineReady(
             num_blocks=built.num_blocks, block_size=built.config.cache_config.block_size,
-            max_model_len=sc.max_model_len, vocab_size=built.worker.arch.vocab_size,
-            max_num_seqs=sc.max_num_seqs, timings=built.timings,
+            vocab_size=built.worker.arch.vocab_size, max_num_seqs=sc.max_num_seqs,
+            timings=built.timings, resolved=built.config.resolved,
         )
     except Exception as e:  # noqa: BLE001 - reported to the API server, then exit
         logger.error("engine core failed to start:\n%s", traceback.format_exc())

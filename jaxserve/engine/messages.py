@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from jaxserve.config import ResolvedConfig
 from jaxserve.engine_core.request import InvalidRequestError
 from jaxserve.engine_core.wire import decode_record
 from jaxserve.pooling_params import PoolingParams
@@ -78,10 +79,16 @@ class EngineReady:
 
     num_blocks: int
     block_size: int
-    max_model_len: int
     vocab_size: int
     max_num_seqs: int
     timings: dict[str, float]
+    # The settings the engine process resolved (max_model_len, weight format, ...): both
+    # processes hold the same record.
+    resolved: ResolvedConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
 
 
 @dataclass

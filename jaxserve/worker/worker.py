@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
-from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig
+from jaxserve.config import EngineConfig, WeightFormat
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
@@ -57,88 +56,6 @@ def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
     return head_layout(arch, tp).num_kv_heads != arch.num_key_value_heads
 
 
-def resolve_dtype(dtype: str, platform: str) -> Any:
-    """`auto` is bfloat16 on GPU/TPU and float32 on the CPU (XLA's bf16 is slower there:
-    docs/benchmarks.md, "Figures the code's comments used to hold")."""
-    if dtype == "auto":
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
-
-
-# jax.Device.platform -> the platform names kernel variants declare (jax.export's).
-_EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
-# The platform's own attention kernel, picked by attention_backend="auto".
-AUTO_ATTENTION_BACKEND = kernels_pallas.PLATFORM_BACKENDS
-
-
-def resolve_attention_backend(name: str, platform: str, interpret: bool) -> str:
-    """`auto` -> the platform's own variant; any other name must target `platform`, unless
-    `interpret` runs it in Pallas interpret mode (tests, research on the CPU)."""
-    target = _EXPORT_PLATFORM.get(platform, platform)
-    if name == "auto":
-        if target not in AUTO_ATTENTION_BACKEND:
-            raise ValueError(f"no attention kernel for platform {platform!r}; pass "
-                             f"--attention-backend reference")
-        name = AUTO_ATTENTION_BACKEND[target]
-    backend = kernels_pallas.get_backend(name)  # ValueError listing the variants if unknown
-    if target not in backend.platforms and not (interpret and backend.interpretable):
-        raise ValueError(
-            f"attention backend {name!r} targets {', '.join(backend.platforms)}, not this "
-            f"{platform} device; use --attention-backend auto, or --attention-interpret to run "
-            f"it in Pallas interpret mode"
-        )
-    return name
-
-
-def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
-    if requested is None:
-        return arch.context_length
-    if requested > arch.context_length:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's context length "
-            f"{arch.context_length}"
-        )
-    return requested
-
-
-def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
-                         arch: Callable[[], ArchConfig], cpu_auto_bf16: bool = True,
-                         ) -> tuple[str | None, str]:
-    """The weight format the model runs, and why. An explicit `--quantization` is kept. With
-    `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
-    dense model with one device per stage gets bf16 weights (float32 activations between the
-    matmuls, float32 sums; `resolve_packed_weights` decides their layout): it is the fastest
-    path there, and its greedy agreement with float32 is README's
-    "Quantization" figure. Everything else keeps the dtype's float weights, as does
-    `cpu_auto_bf16=False` (--no-cpu-auto-bf16). `arch` is called (the checkpoint's header
-    read) only when the answer depends on it."""
-    if quantization is not None:
-        return quantization, "--quantization"
-    if dtype != "auto" or platform != "cpu":
-        return None, f"--dtype {dtype} on {platform}"
-    if not cpu_auto_bf16:
-        return None, f"--no-cpu-auto-bf16 (or {CPU_AUTO_BF16_ENV}=0)"
-    if tp > 1 or pp > 1:
-        return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
-    if arch().num_experts:
-        return None, "float32 weights: bf16 does not cover mixture-of-experts models"
-    if not bf16_kernel.cpu.onednn_available():
-        return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
-    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (--no-cpu-auto-bf16 or --dtype float32 keeps float32)"
-
-
-def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int,
-                           allowed: bool = True) -> bool:
-    """Whether bf16 weights are packed at load into oneDNN's blocked layout: on a CPU where
-    oneDNN's bf16 matmul is native, with one device per stage, unless not `allowed`
-    (--no-cpu-packed-weights keeps them in plain [out, in] rows: the few-token AVX2 kernel and
-    oneDNN with per-call repacking). Packed, every token count runs without repacking the
-    weights per call, faster than the plain-row paths at every batch size measured
-    (docs/benchmarks.md, "Packed bf16 weights")."""
-    return (quantization == "bf16" and platform == "cpu" and tp == 1 and pp == 1
-            and allowed and bf16_kernel.packing_available())
-
-
 def weight_matmul_path(quantization: str | None, platform: str, tp: int,
                        packed: bool = False) -> str | None:
     """Which matmul a quantized model's projections run (logged at start-up: slow decode ->
@@ -164,31 +81,34 @@ def weight_matmul_path(quantization: str | None, platform: str, tp: int,
     return f"CPU kernel up to {bf16_kernel.CPU_KERNEL_MAX_TOKENS} tokens a step, {many}"
 
 
+JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
 class Worker:
     def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None,
                  devices: list[jax.Device] | None = None) -> None:
-        """`devices`: run on these (e.g. compile-only TPU/GPU devices for the preflight)
-        instead of the process's own; such a worker only `load_abstract_model`s."""
+        """`config`: resolved (jaxserve/engine/resolve.py) for these `devices`: the process's
+        own, or e.g. compile-only TPU/GPU devices for the preflight (such a worker only
+        `load_abstract_model`s). The worker reads the settings; it decides none."""
+        if config.resolved is None:
+            raise ValueError("Worker needs a resolved config: "
+                             "jaxserve.engine.resolve.resolve_engine_config(config, ...)")
         enable_compilation_cache()
         self.config = config
         self.model_files = model_files or resolve_model(config.model_config.model)
-        # Before anything touches a device: join the other hosts, if any.
+        # Before anything touches a device: join the other hosts, if any (the resolution
+        # stage did for the process's own devices; this is a no-op then).
         self.distributed = initialize_distributed(config.parallel_config)
         self.mesh = make_mesh(config.parallel_config, devices)
-        self.platform = self.mesh.devices.flat[0].platform
-        self.dtype = resolve_dtype(config.model_config.dtype, self.platform)
-        pc = config.parallel_config
-        # The weight format in use; the config keeps what was asked (build_worker reports both).
-        self.quantization, self.quantization_reason = resolve_quantization(
-            config.model_config.quantization, config.model_config.dtype, self.platform,
-            pc.tensor_parallel_size, pc.pipeline_parallel_size, lambda: read_arch(self.model_files),
-            config.model_config.cpu_auto_bf16)
-        self.attention_backend = resolve_attention_backend(
-            config.attention_backend, self.platform, config.attention_interpret)
+        r = config.resolved
+        self.platform = r.platform
+        self.dtype = JAX_DTYPES[r.dtype]
+        self.quantization = r.weight_format.quantization
+        self.quantization_reason = r.weight_format_reason
+        self.attention_backend = r.attention_backend
+        self.packed_weights = r.weight_format is WeightFormat.BF16_PACKED
+        self.max_model_len = r.max_model_len
         # Every stage's model runs with these (its own sub-mesh set per stage).
-        self.packed_weights = resolve_packed_weights(
-            self.quantization, self.platform, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-            config.model_config.cpu_packed_weights)
         self.model_options = ModelOptions(
             self.dtype, self.attention_backend, config.attention_interpret, None,
             self.quantization, config.cache_config.cache_dtype,
@@ -208,7 +128,6 @@ class Worker:
             return
         tp = self.config.parallel_config.tensor_parallel_size
         self.arch, host_params = self._read_weights(tp)
-        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
         quantization = self.quantization
@@ -225,7 +144,6 @@ class Worker:
         shardings (from config.json or the GGUF header alone), for compiling and sizing."""
         tp = self.config.parallel_config.tensor_parallel_size
         self.arch = read_arch(self.model_files)
-        self.max_model_len = resolve_max_model_len(self.config.model_config.max_model_len, self.arch)
         self.run_arch = adapted_arch(self.arch, tp)
         quantization = self.quantization
         self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)

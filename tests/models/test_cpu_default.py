@@ -11,8 +11,8 @@ import pytest
 from jaxserve.config import CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import ArchConfig
-from jaxserve.worker import worker as worker_mod
-from jaxserve.worker.worker import resolve_packed_weights, resolve_quantization
+from jaxserve.engine import resolve as resolve_mod
+from jaxserve.engine.resolve import resolve_packed_weights, resolve_quantization
 
 _SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -25,7 +25,7 @@ MOE = lambda: ArchConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, num_
 @pytest.fixture
 def native_bf16(monkeypatch: pytest.MonkeyPatch):
     """Pretend oneDNN's bf16 matmul is native here (the rule, apart from this CPU)."""
-    monkeypatch.setattr(worker_mod.bf16_kernel.cpu, "onednn_available", lambda: True)
+    monkeypatch.setattr(resolve_mod.bf16_kernel.cpu, "onednn_available", lambda: True)
 
 
 def test_auto_gives_bf16_weights_only_to_dense_single_device_cpu_models(native_bf16, monkeypatch) -> None:
@@ -57,19 +57,19 @@ def test_the_cpu_switches_are_flags_with_documented_environment_overrides(monkey
 
 
 def test_auto_keeps_float32_without_native_bf16(monkeypatch) -> None:
-    monkeypatch.setattr(worker_mod.bf16_kernel.cpu, "onednn_available", lambda: False)
+    monkeypatch.setattr(resolve_mod.bf16_kernel.cpu, "onednn_available", lambda: False)
     quant, reason = resolve_quantization(None, "auto", "cpu", 1, 1, DENSE)
     assert quant is None and "no native bf16 matmul" in reason
 
 
 def test_bf16_weights_are_packed_for_onednn_only_on_one_cpu_device(monkeypatch) -> None:
-    monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: True)
+    monkeypatch.setattr(resolve_mod.bf16_kernel, "packing_available", lambda: True)
     assert resolve_packed_weights("bf16", "cpu", 1, 1)
     for args in [(None, "cpu", 1, 1), ("int8", "cpu", 1, 1), ("bf16", "tpu", 1, 1), ("bf16", "gpu", 1, 1),
                  ("bf16", "cpu", 2, 1), ("bf16", "cpu", 1, 2)]:
         assert not resolve_packed_weights(*args), args
     assert not resolve_packed_weights("bf16", "cpu", 1, 1, allowed=False)
-    monkeypatch.setattr(worker_mod.bf16_kernel, "packing_available", lambda: False)
+    monkeypatch.setattr(resolve_mod.bf16_kernel, "packing_available", lambda: False)
     assert not resolve_packed_weights("bf16", "cpu", 1, 1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.worker.worker import resolve_attention_backend
+from jaxserve.engine.resolve import resolve_attention_backend
 
 from tests.models.tiny import save_tiny_hf
 

@@ -53,7 +53,10 @@ def tiny_config(tmp_path_factory):
     from tests.models.tiny import save_tiny_hf
 
     path = save_tiny_hf("llama", str(tmp_path_factory.mktemp("tiny")))
-    return make_engine_config(path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    from jaxserve.engine.resolve import resolve_engine_config
+
+    return resolve_engine_config(
+        make_engine_config(path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
 
 
 def test_serving_worker_and_preflight_size_the_cache_alike(tiny_config, monkeypatch) -> None:

@@ -1,0 +1,145 @@
+"""The resolution stage: every setting that depends on the devices or the checkpoint, decided
+once in the engine process, before the worker is built.
+
+    EngineArgs ─create_engine_config─▶ EngineConfig (flags checked; JAX-free, any process)
+        ─resolve_engine_config─▶ EngineConfig with `resolved` (platform, dtype, weight format,
+                                 attention backend, max_model_len) ─▶ Worker, Scheduler, READY
+
+The worker and the model read `config.resolved` and decide nothing; the API server receives the
+same record in the ready message (jaxserve/engine/messages.py: EngineReady).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+import kernels_pallas
+import kernels_pallas.bf16_matmul as bf16_kernel
+from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig, ResolvedConfig, WeightFormat
+from jaxserve.models import ArchConfig
+from jaxserve.models.loaders import read_arch
+from jaxserve.models.model_files import ModelFiles, resolve_model
+from jaxserve.parallel.distributed import initialize_distributed
+
+
+def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
+                          devices: list[jax.Device] | None = None) -> EngineConfig:
+    """`config` with its `resolved` record, and max_model_len decided in the model and
+    scheduler sections too. `devices`: the ones the engine runs on (compile-only devices for
+    the preflight); default: this process's (after joining the other hosts, if any).
+    ValueError names the flag for a setting these devices or this checkpoint refuse."""
+    if config.resolved is not None:
+        return config
+    files = files or resolve_model(config.model_config.model)
+    mc, pc = config.model_config, config.parallel_config
+    if devices is None:
+        initialize_distributed(pc)  # before anything touches a device
+        devices = jax.devices()
+    platform = devices[0].platform
+    arch = read_arch(files)
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    quantization, reason = resolve_quantization(mc.quantization, mc.dtype, platform, tp, pp,
+                                                lambda: arch, mc.cpu_auto_bf16)
+    if quantization == "int8":
+        weight_format = WeightFormat.INT8
+    elif quantization == "bf16":
+        weight_format = (WeightFormat.BF16_PACKED if resolve_packed_weights(
+            quantization, platform, tp, pp, mc.cpu_packed_weights) else WeightFormat.BF16)
+    else:
+        weight_format = WeightFormat.FLOAT
+    max_model_len = resolve_max_model_len(mc.max_model_len, arch)
+    resolved = ResolvedConfig(
+        platform=platform, dtype=resolve_dtype(mc.dtype, platform), weight_format=weight_format,
+        weight_format_reason=reason,
+        attention_backend=resolve_attention_backend(config.attention_backend, platform,
+                                                    config.attention_interpret),
+        max_model_len=max_model_len)
+    return dataclasses.replace(
+        config, resolved=resolved,
+        model_config=dataclasses.replace(mc, max_model_len=max_model_len),
+        scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=max_model_len))
+
+
+def resolve_dtype(dtype: str, platform: str) -> str:
+    """`auto` is bfloat16 on GPU/TPU and float32 on the CPU (XLA's bf16 is slower there:
+    docs/benchmarks.md, "Figures the code's comments used to hold")."""
+    if dtype == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return dtype
+
+
+# jax.Device.platform -> the platform names kernel variants declare (jax.export's).
+_EXPORT_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+# The platform's own attention kernel, picked by attention_backend="auto".
+AUTO_ATTENTION_BACKEND = kernels_pallas.PLATFORM_BACKENDS
+
+
+def resolve_attention_backend(name: str, platform: str, interpret: bool) -> str:
+    """`auto` -> the platform's own variant; any other name must target `platform`, unless
+    `interpret` runs it in Pallas interpret mode (tests, research on the CPU)."""
+    target = _EXPORT_PLATFORM.get(platform, platform)
+    if name == "auto":
+        if target not in AUTO_ATTENTION_BACKEND:
+            raise ValueError(f"no attention kernel for platform {platform!r}; pass "
+                             f"--attention-backend reference")
+        name = AUTO_ATTENTION_BACKEND[target]
+    backend = kernels_pallas.get_backend(name)  # ValueError listing the variants if unknown
+    if target not in backend.platforms and not (interpret and backend.interpretable):
+        raise ValueError(
+            f"attention backend {name!r} targets {', '.join(backend.platforms)}, not this "
+            f"{platform} device; use --attention-backend auto, or --attention-interpret to run "
+            f"it in Pallas interpret mode"
+        )
+    return name
+
+
+def resolve_max_model_len(requested: int | None, arch: ArchConfig) -> int:
+    if requested is None:
+        return arch.context_length
+    if requested > arch.context_length:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's context length "
+            f"{arch.context_length}"
+        )
+    return requested
+
+
+def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp: int, pp: int,
+                         arch: Callable[[], ArchConfig], cpu_auto_bf16: bool = True,
+                         ) -> tuple[str | None, str]:
+    """The weight format the model runs, and why. An explicit `--quantization` is kept. With
+    `--dtype auto` on a CPU whose bf16 units oneDNN drives natively (AVX512-BF16 or AMX), a
+    dense model with one device per stage gets bf16 weights (float32 activations between the
+    matmuls, float32 sums; `resolve_packed_weights` decides their layout): it is the fastest
+    path there, and its greedy agreement with float32 is README's
+    "Quantization" figure. Everything else keeps the dtype's float weights, as does
+    `cpu_auto_bf16=False` (--no-cpu-auto-bf16). `arch` is called (the checkpoint's header
+    read) only when the answer depends on it."""
+    if quantization is not None:
+        return quantization, "--quantization"
+    if dtype != "auto" or platform != "cpu":
+        return None, f"--dtype {dtype} on {platform}"
+    if not cpu_auto_bf16:
+        return None, f"--no-cpu-auto-bf16 (or {CPU_AUTO_BF16_ENV}=0)"
+    if tp > 1 or pp > 1:
+        return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
+    if arch().num_experts:
+        return None, "float32 weights: bf16 does not cover mixture-of-experts models"
+    if not bf16_kernel.cpu.onednn_available():
+        return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
+    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (--no-cpu-auto-bf16 or --dtype float32 keeps float32)"
+
+
+def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int,
+                           allowed: bool = True) -> bool:
+    """Whether bf16 weights are packed at load into oneDNN's blocked layout: on a CPU where
+    oneDNN's bf16 matmul is native, with one device per stage, unless not `allowed`
+    (--no-cpu-packed-weights keeps them in plain [out, in] rows: the few-token AVX2 kernel and
+    oneDNN with per-call repacking). Packed, every token count runs without repacking the
+    weights per call, faster than the plain-row paths at every batch size measured
+    (docs/benchmarks.md, "Packed bf16 weights")."""
+    return (quantization == "bf16" and platform == "cpu" and tp == 1 and pp == 1
+            and allowed and bf16_kernel.packing_available())

@@ -123,7 +123,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    # None: the model's context length, decided by the resolution stage (engine/resolve.py)
+    # before a Scheduler is built.
+    max_model_len: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while the device runs step N.
@@ -140,9 +142,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_model_len < 1:
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"

@@ -258,7 +258,7 @@ class EngineArgs:
                 cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len or 1,  # resolved from the model by the worker
+                max_model_len=self.max_model_len,  # None: the model's (engine/resolve.py)
                 policy=_policy(self.scheduling_policy), async_scheduling=async_scheduling,
                 num_microbatches=num_microbatches),
             parallel_config=ParallelConfig(

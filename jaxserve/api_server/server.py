@@ -1,6 +1,6 @@
 """Run the server: engine-core process, readiness handshake, then uvicorn.
 
-    start the engine core (spawn) ─▶ wait for READY (num_blocks, max_model_len, timings)
+    start the engine core (spawn) ─▶ wait for READY (num_blocks, resolved settings, timings)
     ─▶ start routing outputs and watching the process ─▶ uvicorn accepts connections
 
 If the engine core dies, /health answers 503, in-flight requests fail, and
@@ -80,7 +80,6 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
         )
         ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
-                             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size,
                              processor=front.processor(ready.max_model_len, ready.vocab_size,
                                                        config.pooler_config, args.max_logprobs),
                              trust_request_chat_template=args.trust_request_chat_template,
@@ -88,7 +87,6 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                              tool_call_parser=args.tool_call_parser,
                              enable_auto_tool_choice=args.enable_auto_tool_choice,
                              reasoning_parser=args.reasoning_parser, traces=traces, metrics=metrics,
-                             pooler_config=config.pooler_config,
                              facts=ServerFacts(ready.max_num_seqs,
                                                config.scheduler_config.max_num_batched_tokens,
                                                config.enforce_eager,

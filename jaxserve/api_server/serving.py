@@ -34,7 +34,6 @@ from jaxserve.api_server.protocol import (
 )
 from jaxserve.metrics.prometheus import ServerMetrics
 from jaxserve.metrics.trace_store import TraceStore
-from jaxserve.config import PoolerConfig
 from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -124,8 +123,6 @@ class ServingContext:
     client: EngineClient | DPEngineClient
     tokenizer: Any  # None: --skip-tokenizer-init (token-id prompts only, no text out)
     served_model_names: list[str]
-    max_model_len: int
-    vocab_size: int
     # The request checks shared with the offline LLM (FrontEnd.processor,
     # jaxserve/engine/front_end.py): limits, the model's EOS ids, --max-logprobs.
     processor: Processor
@@ -145,12 +142,19 @@ class ServingContext:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="jaxserve-tokenize"))
     max_token_chars: int = 0  # longest_token_chars(tokenizer), computed when 0
-    pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: /v1/embeddings
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
             self.max_token_chars = (1 if self.tokenizer is None
                                     else longest_token_chars(self.tokenizer))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
 
     @property
     def model_name(self) -> str:

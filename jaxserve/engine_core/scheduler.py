@@ -67,9 +67,6 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
-        if scheduler_config.max_model_len is None:
-            raise ValueError("the Scheduler needs a resolved max_model_len "
-                             "(jaxserve/engine/resolve.py: resolve_engine_config)")
         self.max_model_len = scheduler_config.max_model_len
         self.policy = scheduler_config.policy
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill

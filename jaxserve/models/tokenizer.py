@@ -13,7 +13,7 @@ import hashlib
 import os
 from typing import Any
 
-from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.models.model_files import ModelFiles, ModelFormat, open_gguf, resolve_model
 
 
 def cache_dir() -> str:
@@ -50,14 +50,13 @@ def load_tokenizer(model: str | ModelFiles | None) -> Any:
 
 def tokenizer_from_gguf(path: str) -> Any:
     """Build a fast tokenizer (with chat template and special tokens) from GGUF metadata."""
-    import gguf
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
 
     def field(key: str) -> Any:
         f = reader.fields.get(key)

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from jaxserve.models.arch_config import ArchConfig, RopeScaling
+from jaxserve.models.model_files import open_gguf
 from jaxserve.models.rope import rope_inv_freq
 from jaxserve.models.loaders.weights import WeightLoadError, build_params
 
@@ -61,7 +62,7 @@ def read_gguf(path: str) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
+        return open_gguf(path)
     except Exception as e:  # the reader raises ValueError/struct errors on bad files
         raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from None
 

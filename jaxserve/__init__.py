@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.platforms import select_jax_platforms
-
-select_jax_platforms()  # before anything imports JAX: no accelerator here means the CPU
-
-from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
-from jaxserve.pooling_params import PoolingParams  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.llm import LLM

@@ -25,6 +25,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.models.model_files import ModelFiles, resolve_model
+from jaxserve.platforms import select_jax_platforms
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.serve import engine_arg_parser, engine_config_from_args
 from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
@@ -256,7 +257,7 @@ def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
 def main(argv: list[str] | None = None) -> int:
     # The runtime backend does not matter here (the devices are compile-only); the CPU's
     # starts at once, where probing for a GPU or TPU runtime prints errors or waits.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    select_jax_platforms(cpu_only=True)
     parser = make_parser()
     args = parser.parse_args(argv)
     try:

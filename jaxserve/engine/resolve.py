@@ -23,6 +23,7 @@ from jaxserve.models import ArchConfig
 from jaxserve.models.loaders import read_arch
 from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.parallel.distributed import initialize_distributed
+from jaxserve.platforms import select_jax_platforms
 
 
 def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
@@ -36,6 +37,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     files = files or resolve_model(config.model_config.model)
     mc, pc = config.model_config, config.parallel_config
     if devices is None:
+        select_jax_platforms()  # no accelerator attached: JAX starts only its CPU backend
         initialize_distributed(pc)  # before anything touches a device
         devices = jax.devices()
     platform = devices[0].platform

@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxserve.engine_core.block_pool import BlockPool, KVCacheBlock
-from jaxserve.engine_core.kv_cache_utils import RequestBlockHasher
+from jaxserve.engine_core.kv_cache_utils import RequestBlockHasher, cdiv
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.stats import PrefixCacheStats
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

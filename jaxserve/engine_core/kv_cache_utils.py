@@ -28,6 +28,16 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = hashlib.sha256(b"jaxserve prefix cache root").digest()
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def min_num_blocks(max_model_len: int, block_size: int) -> int:
+    """The smallest cache the engine accepts: one max_model_len sequence and the null page
+    (so a request alone can always grow to max_model_len, and preemption never livelocks)."""
+    return cdiv(max_model_len, block_size) + 1
+
+
 def hash_block_tokens(
     parent_block_hash: BlockHash | None,
     block_token_ids: Sequence[int],

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
+from jaxserve.engine_core.kv_cache_utils import min_num_blocks
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
@@ -74,14 +75,11 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
 
-        capacity = (num_blocks - 1) * self.block_size
-        if capacity < self.max_model_len:
-            # NOTE: this guarantees progress: a request alone can always grow
-            # to max_model_len, so preemption never livelocks.
+        if num_blocks < min_num_blocks(self.max_model_len, self.block_size):
             raise ValueError(
                 f"the KV cache holds {num_blocks - 1} pages of {self.block_size} tokens "
-                f"({capacity} tokens) but --max-model-len is {self.max_model_len}; lower "
-                f"--max-model-len or give the KV cache more memory"
+                f"({(num_blocks - 1) * self.block_size} tokens) but --max-model-len is "
+                f"{self.max_model_len}; lower --max-model-len or give the KV cache more memory"
             )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.engine_core.kv_cache_utils import cdiv, min_num_blocks
+
 GiB = 1 << 30
 
 
@@ -62,7 +64,7 @@ class MemoryPlan:
 
     @property
     def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        return cdiv(self.max_model_len, self.page_size)
 
     @property
     def max_concurrent_seqs(self) -> int:
@@ -96,7 +98,7 @@ def refuse_too_few_pages(num_pages: int, page_size: int, max_model_len: int, giv
                          knob: str) -> None:
     """A cache whose size the user set (`given_by`, turned with `knob`) must hold one
     max_model_len sequence and the null page."""
-    need = -(-max_model_len // page_size) + 1
+    need = min_num_blocks(max_model_len, page_size)
     if num_pages < need:
         fits = max(num_pages - 1, 0) * page_size
         raise InsufficientMemoryError(
@@ -120,7 +122,7 @@ def plan_kv_cache(
     plan = MemoryPlan(device, memory_bytes, utilization, weight_bytes, state_bytes,
                       activation_bytes, page_bytes, page_size, max_model_len,
                       max(room, 0) // page_bytes)
-    need = plan.pages_per_seq + 1
+    need = min_num_blocks(max_model_len, page_size)
     if plan.num_pages < need:
         fits = max(plan.num_pages - 1, 0) * page_size
         if given_by is not None:

@@ -21,6 +21,7 @@ import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import EngineConfig, WeightFormat
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.kv_cache_utils import min_num_blocks
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
@@ -240,7 +241,7 @@ class Worker:
 
     def _min_num_blocks(self) -> int:
         """A cache of one max_model_len sequence (and the null page): what sizing compiles with."""
-        return -(-self.max_model_len // self.config.cache_config.block_size) + 1
+        return min_num_blocks(self.max_model_len, self.config.cache_config.block_size)
 
     def make_runner(self, num_blocks: int, abstract: bool = False) -> ModelRunner:
         """The ModelRunner over this worker's stages with a `num_blocks` cache: allocated, or

@@ -52,6 +52,7 @@ class RemoteServer:
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="jaxserve-server-", suffix=".log",
                                                delete=False)
+        self._final_log: str | None = None
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port),
@@ -86,6 +87,8 @@ class RemoteServer:
         return openai.AsyncOpenAI(base_url=self.url("/v1"), api_key=self.api_key, max_retries=0, **kw)
 
     def read_log(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
@@ -126,6 +129,10 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self._final_log is None:  # kept in memory: no log file left in $TMPDIR per server
+            self._final_log = self.read_log()
+            self.log.close()
+            os.unlink(self.log.name)
         return self.proc.returncode
 
     def __enter__(self) -> RemoteServer:

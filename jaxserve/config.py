@@ -53,7 +53,7 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
     max_model_len: int | None = None
     seed: int = 0
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()  # the names the API accepts; the first is reported
     tokenizer: str | None = None  # None: the model's own
     # "int8" / "bf16": weight-only formats converted at load (jaxserve/models/quantization.py).
     quantization: str | None = None
@@ -334,11 +334,31 @@ class WeightFormat(enum.Enum):
     BF16 = "bf16"  # bfloat16 weights, float32 activations (--quantization bf16, the CPU's default)
     BF16_PACKED = "bf16 packed"  # the same, packed at load into oneDNN's layout (the CPU)
 
+    @classmethod
+    def of(cls, quantization: str | None) -> WeightFormat:
+        """The format --quantization names (None: the float weights)."""
+        check_quantization(quantization)
+        return {None: cls.FLOAT, "int8": cls.INT8, "bf16": cls.BF16}[quantization]
+
     @property
     def quantization(self) -> str | None:
-        """The quantization method the model's layers take (models/quantization.py)."""
+        """The --quantization name of this format (logs and JSON reports)."""
         return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
                 WeightFormat.BF16_PACKED: "bf16"}.get(self)
+
+    @property
+    def quantized(self) -> bool:
+        """Converted at load from the checkpoint's floats (models/quantization.py)."""
+        return self is not WeightFormat.FLOAT
+
+    @property
+    def bf16(self) -> bool:
+        return self in (WeightFormat.BF16, WeightFormat.BF16_PACKED)
+
+    @property
+    def packed(self) -> bool:
+        """bf16 weights packed at load for oneDNN (quantization.pack_params)."""
+        return self is WeightFormat.BF16_PACKED
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,10 @@ def make_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> tuple[Target, Any, ModelFiles, Any]:
     """Everything checkable without JAX (fast): the target, the flags, the model's
     architecture. Raises ValueError / FileNotFoundError with the message to show."""
-    if args.model_tag is not None:
-        args.model = args.model or args.model_tag
-    if args.model and os.path.basename(args.model) == "config.json":
-        args.model = os.path.dirname(os.path.abspath(args.model))
+    for name in ("model", "model_tag"):  # config.json alone: its folder (no weights needed)
+        path = getattr(args, name)
+        if path and os.path.basename(path) == "config.json":
+            setattr(args, name, os.path.dirname(os.path.abspath(path)))
     target = parse_target(args.target)
     config = engine_config_from_args(args)
     files = resolve_model(config.model_config.model)
@@ -203,7 +203,7 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
         worker.arch.architecture, {
             "tensor_parallel_size": pc.tensor_parallel_size,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
-            "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": worker.quantization,
+            "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": worker.weight_format.quantization,
             "kv_cache": f"{layout.dtype}{' packed' if layout.packed else ''}",
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,

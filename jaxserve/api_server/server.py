@@ -9,16 +9,17 @@ the server exits with status 1 after a short grace period.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from jaxserve.api_server.app import build_app
+from jaxserve.api_server.server_args import ServerArgs
 from jaxserve.api_server.symptoms import ServerFacts
 from jaxserve.engine.dp_client import DPEngineClient
 from jaxserve.engine.core_client import EngineClient, EngineStartupError
@@ -37,9 +38,10 @@ logger = logging.getLogger("jaxserve.api_server")
 ENGINE_DEAD_GRACE_S = 2.0
 
 
-async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Serve until interrupted; returns the process exit status."""
-    # --chat-template: the template's text (serve.main read it).
+async def run_server(args: ServerArgs, config: EngineConfig,
+                     sock: socket.socket | None = None) -> int:
+    """Serve until interrupted (on `sock`, bound at start-up, or host:port); returns the
+    process exit status."""
     front = load_front_end(config.model_config, args.generation_config, args.chat_template)
     files, tokenizer, defaults = front.files, front.tokenizer, front.generation_defaults
     if defaults:
@@ -48,7 +50,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     # The scheduler stops on the tokenizer's EOS; the model's other EOS ids (config.json,
     # generation_config.json; all of them without a tokenizer) the processor adds as stops.
     eos = front.eos_token_id
-    names = args.served_model_name or [files.name]
+    names = list(config.model_config.served_model_name) or [files.name]
     metrics = ServerMetrics(names[0])
     exporter = None
     if args.otlp_traces_endpoint:
@@ -92,8 +94,9 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
                                                config.enforce_eager,
                                                config.parallel_config.data_parallel_size))
         app = build_app(ctx, metrics, on_shutdown=client.shutdown, api_key=args.api_key,
-                        cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
-                                  allow_headers=args.allowed_headers,
+                        cors=dict(allow_origins=list(args.allowed_origins),
+                                  allow_methods=list(args.allowed_methods),
+                                  allow_headers=list(args.allowed_headers),
                                   allow_credentials=args.allow_credentials))
         server = _Server(lambda: client.fail_in_flight("the server is shutting down"), uvicorn.Config(
             app, host=args.host, port=args.port,
@@ -112,11 +115,9 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         client.on_dead = on_engine_dead
         client.start()
         tasks = [loop.create_task(_announce_when_started(server, args.host, names[0]))]
-        if not getattr(args, "disable_log_stats", False):
+        if not args.disable_log_stats:
             tasks.append(loop.create_task(_log_stats(LoggingStatLogger(metrics))))
         try:
-            # The socket bound at start-up (serve.bind_socket), or host:port.
-            sock = getattr(args, "socket", None)
             await server.serve(sockets=[sock] if sock is not None else None)
         finally:
             for task in tasks:

@@ -240,8 +240,7 @@ class EngineArgs:
         if num_microbatches > 1:
             async_scheduling = False
         served = self.served_model_name
-        if isinstance(served, list | tuple):
-            served = served[0] if served else None
+        served = (served,) if isinstance(served, str) else tuple(served or ())
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,

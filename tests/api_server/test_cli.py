@@ -21,7 +21,8 @@ from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.models.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 from jaxserve.engine.arg_utils import human_readable_int
-from jaxserve.serve import engine_config_from_args, json_list, make_arg_parser, read_chat_template
+from jaxserve.api_server.server_args import json_list, read_chat_template
+from jaxserve.serve import engine_config_from_args, make_arg_parser
 
 from .server_utils import ROOT
 

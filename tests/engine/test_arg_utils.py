@@ -59,7 +59,7 @@ def test_flags_parse_to_the_config_under_vllms_names() -> None:
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.scheduler_config.max_num_batched_tokens == 2000
     assert not config.cache_config.enable_prefix_caching
-    assert config.model_config.served_model_name == "a"
+    assert config.model_config.served_model_name == ("a", "b")
     assert config.scheduler_config.policy.value == "priority"
 
 

@@ -1,0 +1,144 @@
+"""The API server's settings (vLLM's `FrontendArgs`): decided once from the command line, typed
+and frozen, beside the EngineConfig. `run_server` reads these two records and nothing else.
+
+JAX-free: `python -m jaxserve.serve` builds it before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
+from jaxserve.api_server.tool_parsers import TOOL_PARSERS
+from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+API_KEY_ENV = "JAXSERVE_API_KEY"  # vLLM's VLLM_API_KEY: --api-key's fallback
+
+
+def json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's --allowed-origins form)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the argument itself (vLLM's rule)."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise argparse.ArgumentTypeError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _flag(help: str, **kw: object) -> dict[str, object]:
+    return {"help": help, **kw}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Each field is the flag of its name (`--uvicorn-log-level`, ...); its default is the
+    flag's."""
+
+    host: str = field(default="127.0.0.1", metadata=_flag("use 0.0.0.0 to listen on every interface"))
+    port: int = field(default=8000, metadata=_flag("port to listen on", type=int))
+    uvicorn_log_level: str = field(default="info", metadata=_flag(
+        "uvicorn's own log level", choices=["debug", "info", "warning", "error", "critical"]))
+    disable_uvicorn_access_log: bool = field(default=False, metadata=_flag(
+        "no log line per HTTP request"))
+    disable_log_stats: bool = field(default=False, metadata=_flag(
+        "no periodic throughput / KV-usage log line"))
+    # NOTE: the environment is read after parsing: --help must not print the key.
+    api_key: str | None = field(default=None, metadata=_flag(
+        "require `Authorization: Bearer <key>` on every /v1 route "
+        f"(or set ${API_KEY_ENV}; neither: no authentication)"))
+    trust_request_chat_template: bool = field(default=False, metadata=_flag(
+        "accept chat templates sent in requests (their cost is unbounded)"))
+    chat_template: str | None = field(default=None, metadata=_flag(
+        "a Jinja chat template (a file, or the template itself) replacing the tokenizer's"))
+    generation_config: str = field(default="auto", metadata=_flag(
+        "sampling defaults: auto (the model's generation_config.json), vllm (none: vLLM's own "
+        "defaults) or a folder holding one"))
+    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=_flag(
+        f"most logprobs / prompt_logprobs a request may ask for (at most {MAX_LOGPROBS})", type=int))
+    root_path: str | None = field(default=None, metadata=_flag(
+        "the path prefix a reverse proxy serves this API under"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_flag(
+        'let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser'))
+    tool_call_parser: str | None = field(default=None, metadata=_flag(
+        "how the model writes tool calls (hermes/qwen: <tool_call> tags; llama3_json; "
+        "mistral: [TOOL_CALLS])", choices=sorted(TOOL_PARSERS)))
+    reasoning_parser: str | None = field(default=None, metadata=_flag(
+        "split <think>...</think> into the message's reasoning field",
+        choices=sorted(REASONING_PARSERS)))
+    allowed_origins: tuple[str, ...] = field(default=("*",), metadata=_flag(
+        "CORS: origins allowed to call the API (a JSON list)", type=json_list))
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata=_flag(
+        "CORS methods", type=json_list))
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata=_flag(
+        "CORS headers", type=json_list))
+    allow_credentials: bool = field(default=False, metadata=_flag("CORS credentials"))
+    otlp_traces_endpoint: str | None = field(default=None, metadata=_flag(
+        "export each request's trace as OpenTelemetry spans to this OTLP HTTP endpoint (e.g. "
+        "http://127.0.0.1:4318/v1/traces; needs the otel extra)", metavar="URL"))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("server")
+        for f in dataclasses.fields(ServerArgs):
+            kw = dict(f.metadata)
+            default = list(f.default) if isinstance(f.default, tuple) else f.default
+            if f.type == "bool":
+                group.add_argument(f"--{f.name.replace('_', '-')}", action="store_true", **kw)
+            else:
+                group.add_argument(f"--{f.name.replace('_', '-')}", default=default, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, config: EngineConfig) -> ServerArgs:
+        """The record, with --chat-template's text read and the API key's environment
+        fallback; ValueError naming the flag for a value or a combination that cannot work."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        values["api_key"] = values["api_key"] or os.environ.get(API_KEY_ENV) or None
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values[name] = tuple(values[name])
+        if config.model_config.skip_tokenizer_init:
+            given = [flag for flag, value in (("--tokenizer", config.model_config.tokenizer),
+                                              ("--chat-template", values["chat_template"]),
+                                              ("--tool-call-parser", values["tool_call_parser"]),
+                                              ("--reasoning-parser", values["reasoning_parser"]))
+                     if value is not None]
+            if given:
+                raise ValueError(f"--skip-tokenizer-init serves token ids only: {', '.join(given)} "
+                                 "needs a tokenizer")
+        if values["chat_template"] is not None:
+            try:
+                values["chat_template"] = read_chat_template(values["chat_template"])
+            except (argparse.ArgumentTypeError, OSError) as e:
+                raise ValueError(str(e)) from None
+        if not 0 <= values["max_logprobs"] <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the sampler computes "
+                             f"{MAX_LOGPROBS}), got {values['max_logprobs']}")
+        if values["otlp_traces_endpoint"]:
+            if not config.request_tracing:
+                raise ValueError("--otlp-traces-endpoint needs request tracing (drop --no-request-tracing)")
+            try:
+                import opentelemetry.sdk  # noqa: F401
+            except ImportError:
+                raise ValueError("--otlp-traces-endpoint needs OpenTelemetry: "
+                                 "pip install -e '.[otel]'") from None
+        if values["enable_auto_tool_choice"] and values["tool_call_parser"] is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        gc = values["generation_config"]
+        if gc not in ("auto", "vllm") and not os.path.isdir(gc):
+            raise ValueError(f"--generation-config: {gc!r} is neither auto, vllm nor a folder")
+        return cls(**values)

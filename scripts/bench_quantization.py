@@ -24,7 +24,8 @@ from forward import prompt_logits  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.model_files import resolve_model  # noqa: E402
 from jaxserve.models import LlamaForCausalLM  # noqa: E402
-from jaxserve.models.attention import ModelOptions
+from jaxserve.models.attention import ModelOptions  # noqa: E402
+from jaxserve.config import WeightFormat  # noqa: E402
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
 from jaxserve.models.quantization import pack_params, param_bytes, quantize_params  # noqa: E402
 from jaxserve.engine.resolve import resolve_packed_weights  # noqa: E402
@@ -75,13 +76,15 @@ def main() -> None:
         texts[q] = [o.outputs[0] for o in llm.chat(chats, sp, use_tqdm=False)]
         llm.shutdown()
     arch, host = load_checkpoint(files, np.float32)
-    qhost = quantize_params(host, args.quantization)
+    fmt = WeightFormat.of(args.quantization)
+    qhost = quantize_params(host, fmt)
     # bf16 weights packed for oneDNN where the engine packs them (what its greedy texts ran).
-    packed = resolve_packed_weights(args.quantization, jax.default_backend(), 1, 1)
+    packed = resolve_packed_weights(fmt, jax.default_backend(), 1, 1)
     if packed:
+        fmt = WeightFormat.BF16_PACKED
         qhost = pack_params(qhost, arch.tie_word_embeddings)
     f32 = LlamaForCausalLM(arch)
-    q8 = LlamaForCausalLM(arch, ModelOptions(quantization=args.quantization, packed_weights=packed))
+    q8 = LlamaForCausalLM(arch, ModelOptions(weight_format=fmt))
     p32, p8 = jax.device_put(host), jax.device_put(qhost)
     print(f"weights: float32 {param_bytes(p32) / 2**20:.1f} MiB, {args.quantization} "
           f"{param_bytes(p8) / 2**20:.1f} MiB{' (packed for oneDNN)' if packed else ''}; KV cache {arch.kv_bytes_per_token(4)} B/token (float32)")

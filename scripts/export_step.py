@@ -38,7 +38,7 @@ from jaxserve.models.attention import ModelOptions
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params
-from jaxserve.config import KV_CACHE_DTYPES, ParallelConfig
+from jaxserve.config import KV_CACHE_DTYPES, ParallelConfig, WeightFormat
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
 from jaxserve.worker.sampler_inputs import sampler_packing
@@ -79,7 +79,7 @@ def build_runner(
     """The worker's runner for `platform`, over abstract bfloat16 (or int8) weights and cache."""
     arch = SHAPES[shapes]
     model = LlamaForCausalLM(arch, ModelOptions(jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
-                                                quantization=quantization,
+                                                weight_format=WeightFormat.of(quantization),
                                                 kv_cache_dtype=kv_cache_dtype))
     kv = model.kv_cache(NUM_PAGES, BLOCK_SIZE)  # the platform's layout (TPU: packed int32)
     params = abstract_params(model)
@@ -150,7 +150,7 @@ def export_step(
     kv_type = "tensor<" + "x".join(map(str, kv.shape)) + f"x{element}>"
     last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
     reports = []
-    forward = jax.jit(runner._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
+    forward = jax.jit(runner.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
     for T in (runner.token_buckets[0], runner.token_buckets[-1]):
         buf = jax.ShapeDtypeStruct((runner.forward_packing(T).size,), jnp.int32)
         exp = export.export(forward, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
@@ -166,7 +166,7 @@ def export_step(
     hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), jnp.bfloat16)
     penalties = jax.eval_shape(lambda: runner.penalties)
     assert isinstance(penalties, PenaltyState)
-    sample = jax.jit(runner._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
+    sample = jax.jit(runner.sample_fn, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
     # verify: speculative decoding's rejection sampler (its row buckets, when configured).
     programs = [(runner.request_buckets[-1], False)]
     if runner.verify_buckets:

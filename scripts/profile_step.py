@@ -71,8 +71,8 @@ def op_self_times(trace_events: list[dict]) -> collections.Counter[str]:
 def ffi_calls(trace_events: list[dict]) -> dict[tuple[str, str], list[float]]:
     """The custom calls' (kernels_pallas FFI: matmuls, decode attention) durations (us), by
     program and HLO op (the trace's one name for them all is `ffi_call`): e.g. the seven
-    projections and the attention of a layer are eight ops of `jit__stage_impl`, each run once
-    per layer per step; the LM head is `jit__sample_impl`'s."""
+    projections and the attention of a layer are eight ops of `jit_stage_fn`, each run once
+    per layer per step; the LM head is `jit_sample_fn`'s."""
     calls: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for e in trace_events:
         if e.get("ph") == "X" and e["name"].startswith("ffi_call"):

@@ -19,9 +19,9 @@ def event(name: str, ts: float, dur: float, tid: int = 1, **args: str) -> dict:
 TRACE = [
     event("ThunkExecutor::Execute", 0, 100),  # a wrapper: not an op
     event("while.3", 0, 100),
-    event("ffi_call.61", 10, 30, hlo_module="jit__stage_impl", hlo_op="ffi_call.61"),
-    event("ffi_call.61", 50, 20, hlo_module="jit__stage_impl", hlo_op="ffi_call.61"),
-    event("ffi_call.1", 0, 40, tid=2, hlo_module="jit__sample_impl", hlo_op="ffi_call.1"),
+    event("ffi_call.61", 10, 30, hlo_module="jit_stage_fn", hlo_op="ffi_call.61"),
+    event("ffi_call.61", 50, 20, hlo_module="jit_stage_fn", hlo_op="ffi_call.61"),
+    event("ffi_call.1", 0, 40, tid=2, hlo_module="jit_sample_fn", hlo_op="ffi_call.1"),
     event("ynn_fusion.7", 80, 10, tid=2),
 ]
 
@@ -34,4 +34,4 @@ def test_self_times_subtract_nested_ops_and_skip_wrappers() -> None:
 
 def test_ffi_calls_are_split_by_program_and_op() -> None:
     calls = profile_step.ffi_calls(TRACE)
-    assert calls == {("jit__stage_impl", "ffi_call.61"): [30, 20], ("jit__sample_impl", "ffi_call.1"): [40]}
+    assert calls == {("jit_stage_fn", "ffi_call.61"): [30, 20], ("jit_sample_fn", "ffi_call.1"): [40]}

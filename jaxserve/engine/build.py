@@ -42,11 +42,11 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     worker.load_model()
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
-                worker.quantization or np.dtype(worker.dtype).name)
+                worker.weight_format.quantization or np.dtype(worker.dtype).name)
     if config.model_config.quantization is None and worker.platform == "cpu":
         logger.info("weights: %s", config.resolved.weight_format_reason)
     if worker.weight_matmul:
-        logger.info("%s matmul: %s", worker.quantization, worker.weight_matmul)
+        logger.info("%s matmul: %s", worker.weight_format.quantization, worker.weight_matmul)
     num_blocks = worker.determine_num_blocks()
     worker.initialize_cache(num_blocks)
     cc = config.cache_config

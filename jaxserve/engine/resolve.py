@@ -45,13 +45,9 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     quantization, reason = resolve_quantization(mc.quantization, mc.dtype, platform, tp, pp,
                                                 lambda: arch, mc.cpu_auto_bf16)
-    if quantization == "int8":
-        weight_format = WeightFormat.INT8
-    elif quantization == "bf16":
-        weight_format = (WeightFormat.BF16_PACKED if resolve_packed_weights(
-            quantization, platform, tp, pp, mc.cpu_packed_weights) else WeightFormat.BF16)
-    else:
-        weight_format = WeightFormat.FLOAT
+    weight_format = WeightFormat.of(quantization)
+    if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
+        weight_format = WeightFormat.BF16_PACKED
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     resolved = ResolvedConfig(
         platform=platform, dtype=resolve_dtype(mc.dtype, platform), weight_format=weight_format,
@@ -135,7 +131,7 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
     return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (--no-cpu-auto-bf16 or --dtype float32 keeps float32)"
 
 
-def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp: int,
+def resolve_packed_weights(fmt: WeightFormat, platform: str, tp: int, pp: int,
                            allowed: bool = True) -> bool:
     """Whether bf16 weights are packed at load into oneDNN's blocked layout: on a CPU where
     oneDNN's bf16 matmul is native, with one device per stage, unless not `allowed`
@@ -143,5 +139,5 @@ def resolve_packed_weights(quantization: str | None, platform: str, tp: int, pp:
     oneDNN with per-call repacking). Packed, every token count runs without repacking the
     weights per call, faster than the plain-row paths at every batch size measured
     (docs/benchmarks.md, "Packed bf16 weights")."""
-    return (quantization == "bf16" and platform == "cpu" and tp == 1 and pp == 1
+    return (fmt.bf16 and platform == "cpu" and tp == 1 and pp == 1
             and allowed and bf16_kernel.packing_available())

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 import kernels_pallas
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm
@@ -38,11 +39,10 @@ class ModelOptions:
     attention_backend: str = "reference"
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
-    quantization: str | None = None  # "int8": int8 weights (models/quantization.py)
+    weight_format: WeightFormat = WeightFormat.FLOAT  # models/quantization.py
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
-    packed_weights: bool = False  # bf16 weights packed for oneDNN (quantization.pack_params)
 
     @property
     def cpu_kernel(self) -> bool:
@@ -139,8 +139,8 @@ class Attention(nn.Module):
         cfg, opts = self.cfg, self.opts
         T = x.shape[0]
         def dense(n: int, bias: bool, name: str) -> nn.Module:
-            return make_dense(n, bias, opts.dtype, opts.quantization, name, cfg.num_hidden_layers,
-                              cpu_kernel=opts.cpu_kernel, packed=opts.packed_weights)
+            return make_dense(n, bias, opts.dtype, opts.weight_format, name, cfg.num_hidden_layers,
+                              cpu_kernel=opts.cpu_kernel)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.quantization import dense as quant_dense
 
 
@@ -35,17 +36,16 @@ class SwiGLU(nn.Module):
     intermediate_size: int
     hidden_size: int
     dtype: jnp.dtype
-    quantization: str | None = None
+    weight_format: WeightFormat = WeightFormat.FLOAT
     num_layers: int | None = None  # inside the layer scan (quantization.Int8Dense)
     cpu_kernel: bool = True
     activation: str = "silu"  # or "gelu_pytorch_tanh"
-    packed: bool = False  # bf16 weights packed for oneDNN (quantization.pack_params)
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         def dense(n: int, name: str) -> nn.Module:
-            return quant_dense(n, False, self.dtype, self.quantization, name, self.num_layers,
-                               self.cpu_kernel, self.packed)
+            return quant_dense(n, False, self.dtype, self.weight_format, name, self.num_layers,
+                               self.cpu_kernel)
         gate = dense(self.intermediate_size, "gate_proj")(x, layer)
         up = dense(self.intermediate_size, "up_proj")(x, layer)
         act = nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)

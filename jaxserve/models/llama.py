@@ -65,8 +65,8 @@ class DecoderLayer(nn.Module):
         elif cfg.num_experts:
             mlp = MoE(cfg, opts, name="mlp")
         else:
-            mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.quantization,
-                         cfg.num_hidden_layers, opts.cpu_kernel, packed=opts.packed_weights,
+            mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.weight_format,
+                         cfg.num_hidden_layers, opts.cpu_kernel,
                          name="mlp")
         h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
@@ -81,8 +81,8 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self) -> None:
         cfg, opts = self.cfg, self.opts
-        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.quantization,
-                                       opts.cpu_kernel, opts.packed_weights and cfg.tie_word_embeddings)
+        self.embed_tokens = make_embed(cfg.vocab_size, cfg.hidden_size, opts.dtype, opts.weight_format,
+                                       opts.cpu_kernel, cfg.tie_word_embeddings)
         self.layers = nn.scan(
             GemmaDecoderLayer if cfg.gemma else DecoderLayer,
             variable_axes={"params": 0},
@@ -94,8 +94,8 @@ class LlamaForCausalLM(nn.Module):
         )(cfg, opts)
         self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0 if cfg.gemma else 0.0)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.quantization,
-                                      cpu_kernel=opts.cpu_kernel, packed=opts.packed_weights)
+            self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.weight_format,
+                                      cpu_kernel=opts.cpu_kernel)
 
     def __call__(
         self,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.quantization import (
@@ -161,7 +162,7 @@ def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate:
                          f"size ({tp}){' with expert parallelism' if ep else ''}")
     # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
     # [E, H, I] (and their scales alike).
-    int8 = opts.quantization == "int8"
+    int8 = opts.weight_format is WeightFormat.INT8
     spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
         lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
     up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
@@ -194,7 +195,7 @@ class MoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
-        if opts.quantization == "int8":  # the whole stack, this layer's taken
+        if opts.weight_format is WeightFormat.INT8:  # the whole stack, this layer's taken
             L = cfg.num_hidden_layers
             w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, name=name)(), layer)
                                     for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
@@ -259,7 +260,7 @@ class MixedMLP(nn.Module):
                             cfg.intermediate_size)
         n_sparse = sum(cfg.moe_layers)
         n_dense = cfg.num_hidden_layers - n_sparse
-        int8 = opts.quantization == "int8"
+        int8 = opts.weight_format is WeightFormat.INT8
 
         def stack(name: str, lead: tuple[int, ...], n_in: int, n_out: int, module: bool) -> Experts:
             if int8:

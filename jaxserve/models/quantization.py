@@ -46,7 +46,7 @@ import numpy as np
 
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
-from jaxserve.config import check_quantization
+from jaxserve.config import WeightFormat
 
 GROUP_SIZE = 64
 
@@ -60,9 +60,9 @@ def to_bf16(w: np.ndarray, in_axis: int) -> np.ndarray:
     return np.ascontiguousarray(w.astype(jnp.bfloat16))
 
 
-def quantize_weight(w: np.ndarray, method: str, in_axis: int) -> dict[str, np.ndarray]:
-    """One matrix in `method`'s format: {"qweight": [..., out, in]} (+ "scale" for int8)."""
-    if method == "bf16":
+def quantize_weight(w: np.ndarray, fmt: WeightFormat, in_axis: int) -> dict[str, np.ndarray]:
+    """One matrix in `fmt`: {"qweight": [..., out, in]} (+ "scale" for int8)."""
+    if fmt.bf16:
         return {"qweight": to_bf16(w, in_axis)}
     qweight, scale = quantize_int8(w, in_axis)
     return {"qweight": qweight, "scale": scale}
@@ -88,14 +88,14 @@ def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> 
 dequantize_int8 = int8_kernel.dequantize
 
 
-def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any]:
+def quantize_params(params: dict[str, Any], fmt: WeightFormat) -> dict[str, Any]:
     """Quantize a host param tree `{"params": ...}` in place of its float projections.
 
-    `method=None` returns `params` unchanged; leaves a loader delivered as int8 already are
-    kept. Norms, biases and q/k norms stay float.
+    `WeightFormat.FLOAT` returns `params` unchanged; leaves a loader delivered quantized
+    already are kept. Norms, biases and q/k norms stay float. (bf16 packed: plain bf16 rows
+    here; `pack_params` packs them.)
     """
-    check_quantization(method)
-    if method is None:
+    if not fmt.quantized:
         return params
 
     def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
@@ -104,23 +104,23 @@ def quantize_params(params: dict[str, Any], method: str | None) -> dict[str, Any
         node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
         for k in ("w_gate", "w_up", "w_down"):  # a mixture of experts' stacks [.., in, out]
             if k in node and not isinstance(node[k], dict):
-                check_experts(method)
-                node[k] = quantize_weight(node[k], method, in_axis=-2)
+                check_experts(fmt)
+                node[k] = quantize_weight(node[k], fmt, in_axis=-2)
         if "kernel" in node:
-            node.update(quantize_weight(node.pop("kernel"), method, in_axis=-2))
+            node.update(quantize_weight(node.pop("kernel"), fmt, in_axis=-2))
         elif name == "embed_tokens" and "embedding" in node:
-            node.update(quantize_weight(node.pop("embedding"), method, in_axis=-1))
+            node.update(quantize_weight(node.pop("embedding"), fmt, in_axis=-1))
         return node
 
     return {**params, "params": walk(params["params"], "params")}
 
 
 def pack_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """A host param tree with bf16 weights (`quantize_params(..., "bf16")`) for the CPU's
+    """A host param tree with bf16 weights (`quantize_params(..., WeightFormat.BF16)`) for the CPU's
     packed path: every projection's `qweight` [..., out, in] becomes `packed` [..., S]
     (`kernels_pallas.bf16_matmul.pack_weights`); with `tied` embeddings the embedding keeps
     its rows and gains `packed` ones for the LM head. The model runs it with
-    `ModelOptions.packed_weights`."""
+    `WeightFormat.BF16_PACKED`."""
 
     def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
         node = {k: walk(v, k) if isinstance(v, dict) else v for k, v in node.items()}
@@ -135,9 +135,9 @@ def pack_params(params: dict[str, Any], tied: bool) -> dict[str, Any]:
     return {**params, "params": walk(params["params"], "params")}
 
 
-def check_experts(method: str | None) -> None:
+def check_experts(fmt: WeightFormat) -> None:
     """Raise ValueError naming the field: bf16 weights do not cover experts yet."""
-    if method == "bf16":
+    if fmt.bf16:
         raise ValueError("quantization 'bf16' does not cover mixture-of-experts models yet; "
                          "use 'int8' or leave it unset")
 
@@ -324,29 +324,28 @@ class Int8Embed(nn.Module):
 
 
 def dense(
-    features: int, use_bias: bool, dtype: Any, quantization: str | None, name: str | None = None,
-    num_layers: int | None = None, cpu_kernel: bool = True, packed: bool = False,
+    features: int, use_bias: bool, dtype: Any, fmt: WeightFormat, name: str | None = None,
+    num_layers: int | None = None, cpu_kernel: bool = True,
 ) -> nn.Module:
-    """The projection for a quantization method (None: float `Dense`); called `(x, layer)`.
-    `num_layers`: the module is inside the layer scan of that many layers; `packed`: bf16
-    weights in oneDNN's layout (`pack_params`)."""
-    if quantization == "int8":
+    """The projection for a weight format (float: `Dense`); called `(x, layer)`.
+    `num_layers`: the module is inside the layer scan of that many layers."""
+    if fmt is WeightFormat.INT8:
         return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
-    if quantization == "bf16":
-        return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, packed, name=name)
+    if fmt.bf16:
+        return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.packed, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def embed(
-    num_embeddings: int, features: int, dtype: Any, quantization: str | None, cpu_kernel: bool = True,
-    packed: bool = False,
+    num_embeddings: int, features: int, dtype: Any, fmt: WeightFormat, cpu_kernel: bool = True,
+    tied: bool = False,
 ) -> nn.Module:
-    """The token embedding for a quantization method (None: float `nn.Embed`); `packed`: bf16
-    rows with a packed copy for the tied LM head (`pack_params`)."""
-    if quantization == "int8":
+    """The token embedding for a weight format (float: `nn.Embed`); bf16 packed and `tied`:
+    bf16 rows with a packed copy for the LM head (`pack_params`)."""
+    if fmt is WeightFormat.INT8:
         return Int8Embed(num_embeddings, features, dtype, cpu_kernel)
-    if quantization == "bf16":
-        return Bf16Embed(num_embeddings, features, dtype, cpu_kernel, packed)
+    if fmt.bf16:
+        return Bf16Embed(num_embeddings, features, dtype, cpu_kernel, fmt.packed and tied)
     return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
 
 

@@ -127,16 +127,18 @@ class ModelRunner:
         self.stage_observer: Callable[[int, int, Any], None] | None = None
         self._num_steps = 0
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
-        self._stage = jax.jit(self._stage_impl, static_argnums=(0, 1, 2), donate_argnums=(4,))
-        self._prompt_lp = jax.jit(self._prompt_logprobs_impl, out_shardings=replicated)
+        # The compiled programs (public: worker/programs.py lists them for the warm-up, the
+        # KV-cache sizing and the preflight; `*_fn` are their traced functions).
+        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+        self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
         self.pooler = Pooler(S)  # embedding requests (worker/pooler.py)
-        self._pool = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
+        self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
-        self._sample = jax.jit(
-            self._sample_impl, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
+        self.sample_program = jax.jit(
+            self.sample_fn, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
             out_shardings=replicated,
         )
-        self._admit = jax.jit(admit, donate_argnums=(0,))
+        self.admit_program = jax.jit(admit, donate_argnums=(0,))
         # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
         # traces split a step's device time into forward and sampler with it.
         self.sample_time_s: dict[tuple[int, SamplerMode, bool], float] = {}
@@ -148,7 +150,7 @@ class ModelRunner:
         return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages,
                                   self.num_logit_rows)
 
-    def _stage_impl(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
+    def stage_fn(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
         """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
 
         The first stage embeds (x = last_sampled: tokens sampled by the previous step
@@ -181,13 +183,13 @@ class ModelRunner:
         for st in self.stages:
             if len(self.stages) > 1:
                 x = jax.device_put(x, st.replicated)
-            st.kv_cache, x = self._stage(st.index, T, all_rows and st.is_last, st.params,
+            st.kv_cache, x = self.stage_program(st.index, T, all_rows and st.is_last, st.params,
                                          st.kv_cache, x, jax.device_put(buf, st.replicated))
             if self.stage_observer is not None:
                 self.stage_observer(self._num_steps, st.index, x)
         return x
 
-    def _prompt_logprobs_impl(self, params, hidden, targets):
+    def prompt_logprobs_fn(self, params, hidden, targets):
         """Per token row: the logprob of `targets` (the next prompt token), then the top-N,
         and the target's rank; from the raw model distribution, as sampled logprobs."""
         logits = self.model.apply(params, hidden, method=LlamaForCausalLM.compute_logits)
@@ -220,7 +222,7 @@ class ModelRunner:
                                           int(b.prompt_logprobs[slot])))
         return (targets, rows) if rows else None
 
-    def _sample_impl(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
+    def sample_fn(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
                      last_sampled, penalties: PenaltyState, buf, bitmask=None):
         u = sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
@@ -313,10 +315,10 @@ class ModelRunner:
         prompt_out = pool_out = None
         if step.prompt is not None:
             targets, rows = step.prompt
-            prompt_out = (self._prompt_lp(self.params, every_token, targets), rows)
+            prompt_out = (self.prompt_logprobs_program(self.params, every_token, targets), rows)
         if step.pool is not None:
             segments, pool_rows = step.pool
-            pool_out = (self._pool(every_token, segments, self.max_num_seqs), pool_rows)
+            pool_out = (self.pool_program(every_token, segments, self.max_num_seqs), pool_rows)
         return hidden, prompt_out, pool_out
 
     def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
@@ -324,7 +326,7 @@ class ModelRunner:
         # NOTE: no bitmask argument at all without one: an explicit None would be another
         # call signature to jit, and compile again what warm-up compiled. With one, the
         # program variant is compiled on first use, like prompt logprobs.
-        self.last_sampled, self.penalties, out = self._sample(
+        self.last_sampled, self.penalties, out = self.sample_program(
             step.R, step.mode, step.verify, self.params, hidden, self.last_sampled,
             self.penalties, step.sampler_inputs, *(() if bitmask is None else (bitmask,)))
         return out
@@ -362,7 +364,7 @@ class ModelRunner:
     def _admit_slot(self, slot: int, *args: Any) -> None:
         """Reset `slot`'s sampler state for a request: admit_inputs' arguments."""
         arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, *args)
-        self.penalties = self._admit(self.penalties, np.int32(slot), *arrays)
+        self.penalties = self.admit_program(self.penalties, np.int32(slot), *arrays)
 
     def read_output(self, handle: StepHandle) -> ModelRunnerOutput:
         """A dispatched step's tokens, logprobs and trace facts on the host: the step's device
@@ -429,7 +431,7 @@ class ModelRunner:
                     for timed in (False, True):  # compile, then time a warm run
                         jax.block_until_ready(hidden)
                         t = time.perf_counter()
-                        self.last_sampled, self.penalties, out = self._sample(
+                        self.last_sampled, self.penalties, out = self.sample_program(
                             R, mode, verify, self.params, hidden, self.last_sampled,
                             self.penalties, md)
                         jax.block_until_ready(out)

@@ -190,7 +190,7 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
                         continue
                     name += ", every token"
                 buf = i32((runner.forward_packing(T).size,), st.mesh)
-                out.append(Program(name + "]", ProgramKind.FORWARD, runner._stage,
+                out.append(Program(name + "]", ProgramKind.FORWARD, runner.stage_program,
                                    (st.index, T, all_rows, st.params, st.kv_cache, x, buf),
                                    st.mesh, cache_arg=4, at_warm_up=not all_rows, bucket=T,
                                    group=(ProgramKind.FORWARD, st.index, all_rows)))
@@ -204,7 +204,7 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
                 kind = ProgramKind.VERIFY if verify else ProgramKind.SAMPLE
                 extra = (i32((R, words), last.mesh),) if grammar else ()
                 name = f"{kind}[R={R}, {mode.value}{', grammar' if grammar else ''}]"
-                out.append(Program(name, kind, runner._sample,
+                out.append(Program(name, kind, runner.sample_program,
                                    (R, mode, verify, runner.params, hidden, runner.last_sampled,
                                     runner.penalties, buf, *extra),
                                    last.mesh, at_warm_up=not grammar, bucket=R,
@@ -213,14 +213,14 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
         for T in runner.token_buckets:
             every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
             out.append(Program(f"prompt_logprobs[T={T}]", ProgramKind.PROMPT_LOGPROBS,
-                               runner._prompt_lp, (runner.params, every, i32((T,), last.mesh)),
+                               runner.prompt_logprobs_program, (runner.params, every, i32((T,), last.mesh)),
                                last.mesh, at_warm_up=False, bucket=T,
                                group=(ProgramKind.PROMPT_LOGPROBS,)))
-            out.append(Program(f"pool[T={T}]", ProgramKind.POOL, runner._pool,
+            out.append(Program(f"pool[T={T}]", ProgramKind.POOL, runner.pool_program,
                                (every, i32((T,), last.mesh), runner.max_num_seqs), last.mesh,
                                at_warm_up=False, bucket=T, group=(ProgramKind.POOL,)))
     arrays = admit_inputs(runner.batch.max_model_len, runner.model.cfg.vocab_size, [], [])
-    out.append(Program("admit", ProgramKind.ADMIT, runner._admit,
+    out.append(Program("admit", ProgramKind.ADMIT, runner.admit_program,
                        (runner.penalties, i32((), last.mesh),
                         *(abstract(a, last.replicated) for a in arrays)), last.mesh))
     return out

@@ -57,21 +57,20 @@ def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
     return head_layout(arch, tp).num_kv_heads != arch.num_key_value_heads
 
 
-def weight_matmul_path(quantization: str | None, platform: str, tp: int,
-                       packed: bool = False) -> str | None:
+def weight_matmul_path(fmt: WeightFormat, platform: str, tp: int) -> str | None:
     """Which matmul a quantized model's projections run (logged at start-up: slow decode ->
     look here); None for float weights."""
-    if quantization is None:
+    if not fmt.quantized:
         return None
     if platform != "cpu":
         return "XLA (widen + dot, fused)"
     if tp > 1:
         return "XLA (tensor parallel: the CPU kernels have no sharding rule)"
-    if packed:
+    if fmt.packed:
         few = (f"an AVX512-BF16 kernel up to {bf16_kernel.PACKED_FEW_TOKENS} tokens a step, oneDNN beyond"
                if bf16_kernel.cpu.avx512_bf16() else "oneDNN at every token count")
         return f"weights packed at load in oneDNN's layout: {few} (--no-cpu-packed-weights keeps plain rows)"
-    if quantization == "int8":
+    if fmt is WeightFormat.INT8:
         if not int8_kernel.cpu.available():
             return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"
         return f"CPU kernel up to {int8_kernel.CPU_KERNEL_MAX_TOKENS} tokens a step, XLA beyond"
@@ -104,16 +103,15 @@ class Worker:
         r = config.resolved
         self.platform = r.platform
         self.dtype = JAX_DTYPES[r.dtype]
-        self.quantization = r.weight_format.quantization
-        self.quantization_reason = r.weight_format_reason
+        self.weight_format = r.weight_format
         self.attention_backend = r.attention_backend
-        self.packed_weights = r.weight_format is WeightFormat.BF16_PACKED
         self.max_model_len = r.max_model_len
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.model_options = ModelOptions(
-            self.dtype, self.attention_backend, config.attention_interpret, None,
-            self.quantization, config.cache_config.cache_dtype,
-            config.parallel_config.enable_expert_parallel, self.platform, self.packed_weights)
+            dtype=self.dtype, attention_backend=self.attention_backend,
+            attention_interpret=config.attention_interpret, weight_format=self.weight_format,
+            kv_cache_dtype=config.cache_config.cache_dtype,
+            expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
@@ -131,13 +129,12 @@ class Worker:
         self.arch, host_params = self._read_weights(tp)
         # The model runs with head counts tp divides; `self.arch` stays the checkpoint's.
         self.run_arch, host_params = adapt_heads(self.arch, host_params, tp)
-        quantization = self.quantization
-        host_params = quantize_params(host_params, quantization)  # if not read quantized
-        if self.packed_weights:
+        host_params = quantize_params(host_params, self.weight_format)  # if not read quantized
+        if self.weight_format.packed:
             host_params = pack_params(host_params, self.run_arch.tie_word_embeddings)
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp, self.packed_weights)
+        self.weight_matmul = weight_matmul_path(self.weight_format, self.platform, tp)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def load_abstract_model(self) -> None:
@@ -146,16 +143,15 @@ class Worker:
         tp = self.config.parallel_config.tensor_parallel_size
         self.arch = read_arch(self.model_files)
         self.run_arch = adapted_arch(self.arch, tp)
-        quantization = self.quantization
         self.stages = abstract_stages(self.run_arch, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
-        self.weight_matmul = weight_matmul_path(quantization, self.platform, tp, self.packed_weights)
+        self.weight_matmul = weight_matmul_path(self.weight_format, self.platform, tp)
 
     def _read_weights(self, tp: int) -> tuple[ArchConfig, Any]:
         """Host NumPy weights; or, for an Orbax checkpoint that needs no head padding and
         no pipeline split, device arrays restored straight into their shardings."""
         files, pc = self.model_files, self.config.parallel_config
-        quantized = self.quantization is not None
+        quantized = self.weight_format.quantized
         if files.format == ModelFormat.ORBAX and pc.pipeline_parallel_size == 1 and not quantized:
             arch = read_orbax_arch(files.path)
             lay = head_layout(arch, tp)
@@ -166,7 +162,8 @@ class Worker:
         # Heads are padded / replicated for tp on float weights; otherwise quantized weights
         # are read in their format, one tensor at a time.
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
-        return load_checkpoint(files, self.dtype, self.quantization if read_as_int8 else None)
+        return load_checkpoint(files, self.dtype,
+                               self.weight_format if read_as_int8 else WeightFormat.FLOAT)
 
     @property
     def kv_layout(self) -> kernels_pallas.KVCacheLayout:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.config import CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV
+from jaxserve.config import CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV, WeightFormat
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import ArchConfig
 from jaxserve.engine import resolve as resolve_mod
@@ -64,13 +64,14 @@ def test_auto_keeps_float32_without_native_bf16(monkeypatch) -> None:
 
 def test_bf16_weights_are_packed_for_onednn_only_on_one_cpu_device(monkeypatch) -> None:
     monkeypatch.setattr(resolve_mod.bf16_kernel, "packing_available", lambda: True)
-    assert resolve_packed_weights("bf16", "cpu", 1, 1)
-    for args in [(None, "cpu", 1, 1), ("int8", "cpu", 1, 1), ("bf16", "tpu", 1, 1), ("bf16", "gpu", 1, 1),
-                 ("bf16", "cpu", 2, 1), ("bf16", "cpu", 1, 2)]:
+    bf16, int8, floats = WeightFormat.BF16, WeightFormat.INT8, WeightFormat.FLOAT
+    assert resolve_packed_weights(bf16, "cpu", 1, 1)
+    for args in [(floats, "cpu", 1, 1), (int8, "cpu", 1, 1), (bf16, "tpu", 1, 1), (bf16, "gpu", 1, 1),
+                 (bf16, "cpu", 2, 1), (bf16, "cpu", 1, 2)]:
         assert not resolve_packed_weights(*args), args
-    assert not resolve_packed_weights("bf16", "cpu", 1, 1, allowed=False)
+    assert not resolve_packed_weights(bf16, "cpu", 1, 1, allowed=False)
     monkeypatch.setattr(resolve_mod.bf16_kernel, "packing_available", lambda: False)
-    assert not resolve_packed_weights("bf16", "cpu", 1, 1)
+    assert not resolve_packed_weights(bf16, "cpu", 1, 1)
 
 
 PROMPTS = [
@@ -97,8 +98,8 @@ def test_default_configuration_stays_near_transformers(hf_default_model, monkeyp
     llm = LLM(max_model_len=512, max_num_seqs=4, cpu_auto_bf16=True)  # the suite sets it off
     try:
         expected = "bf16" if cpu.onednn_available() else None
-        assert llm.engine.worker.quantization == expected
-        assert llm.engine.worker.packed_weights == (expected == "bf16")
+        assert llm.engine.worker.weight_format.quantization == expected
+        assert llm.engine.worker.weight_format.packed == (expected == "bf16")
         tok = load_tokenizer(None)
         agree = total = same_start = 0
         for text in PROMPTS:

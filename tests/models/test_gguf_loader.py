@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from jaxserve.config import WeightFormat
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import WeightLoadError, load_checkpoint
 from jaxserve.models.loaders.gguf_loader import load_gguf
@@ -207,8 +208,8 @@ def test_gguf_read_as_int8_tensor_by_tensor(qtype: Q, tmp_path) -> None:
     path = str(tmp_path / "q.gguf")
     write_gguf(model_dir, path, qtype)
     _, floats = load_gguf(path, np.float32)
-    _, direct = load_gguf(path, np.float32, quantization="int8")
-    want = quantize_params(floats, "int8")
+    _, direct = load_gguf(path, np.float32, WeightFormat.INT8)
+    want = quantize_params(floats, WeightFormat.INT8)
     assert jax.tree.structure(direct) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, WeightFormat
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
@@ -67,7 +67,7 @@ def _dequantized_float_params(qparams: dict) -> dict:
 def test_int8_model_is_the_dequantized_float_model(overrides: dict, tmp_path) -> None:
     model_dir = save_tiny_hf("qwen2", str(tmp_path), **overrides)  # q/k/v biases stay float
     arch, params = load_checkpoint(model_dir, np.float32)
-    qparams = quantize_params(params, "int8")
+    qparams = quantize_params(params, WeightFormat.INT8)
     leaves = jax.tree_util.tree_flatten_with_path(qparams)[0]
     kinds = {"/".join(str(p.key) for p in path[1:]): a.dtype for path, a in leaves}
     assert kinds["layers/self_attn/q_proj/qweight"] == np.int8
@@ -76,7 +76,7 @@ def test_int8_model_is_the_dequantized_float_model(overrides: dict, tmp_path) ->
     assert ("lm_head/qweight" in kinds) == (not arch.tie_word_embeddings)
     assert param_bytes(qparams) < 0.4 * param_bytes(params)
 
-    qmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(quantization="int8")), LlamaForCausalLM(arch)
+    qmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.INT8)), LlamaForCausalLM(arch)
     dparams = _dequantized_float_params(qparams)
     # 20 tokens take the CPU int8 kernel, 57 XLA's matmul (CPU_KERNEL_MAX_TOKENS = 32).
     short_ids = list(range(3, 23))
@@ -95,7 +95,7 @@ def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
     # The layer scan takes int8 weights whole (INT8_LAYERS, broadcast) and indexes them itself.
     model_dir = save_tiny_hf("qwen2", str(tmp_path), tie_word_embeddings=False)
     arch, params = load_checkpoint(model_dir, np.float32)
-    qparams = quantize_params(params, "int8")
+    qparams = quantize_params(params, WeightFormat.INT8)
     variables = model_variables(qparams)
     moved = variables[INT8_LAYERS]["layers"]
     assert set(moved["self_attn"]["q_proj"]) == {"qweight", "scale"}
@@ -112,7 +112,7 @@ def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
     ids = jnp.zeros((4,), jnp.int32)
     from jaxserve.models import AttentionMetadata
     md = AttentionMetadata(ids, ids[:1], jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
-    model = LlamaForCausalLM(arch, ModelOptions(quantization="int8"))
+    model = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.INT8))
     init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape), md))
     assert INT8_LAYERS in init
     shapes = lambda t: jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), t)  # noqa: E731
@@ -127,8 +127,8 @@ def test_every_int8_leaf_has_a_sharding_rule(tmp_path) -> None:
     model_dir = save_tiny_hf("qwen3", str(tmp_path), tie_word_embeddings=False)
     _, params = load_checkpoint(model_dir, np.float32)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
-    shardings = param_shardings(quantize_params(params, "int8"), mesh)  # raises on a missing rule
-    assert len(jax.tree.leaves(shardings)) == len(jax.tree.leaves(quantize_params(params, "int8")))
+    shardings = param_shardings(quantize_params(params, WeightFormat.INT8), mesh)  # raises on a missing rule
+    assert len(jax.tree.leaves(shardings)) == len(jax.tree.leaves(quantize_params(params, WeightFormat.INT8)))
 
 
 def test_bad_quantization_names_the_field() -> None:
@@ -165,21 +165,21 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
 
     model_dir = save_tiny_hf("llama", str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)
-    variables = model_variables(quantize_params(params, "int8"))
+    variables = model_variables(quantize_params(params, WeightFormat.INT8))
     ids = jnp.zeros((4,), jnp.int32)
     md = AttentionMetadata(ids, jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32),
                            jnp.array([0, 4], jnp.int32), jnp.array([1], jnp.int32))
     cache = jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
     for m, uses_kernel in ((None, True), (mesh, False)):
-        model = LlamaForCausalLM(arch, ModelOptions(quantization="int8", mesh=m))
+        model = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.INT8, mesh=m))
         hlo = jax.jit(lambda v: model.apply(v, ids, ids, cache, md)).lower(variables).as_text()
         assert (cpu.TARGET in hlo) == uses_kernel
 
 
 def _bf16_rounded(params: dict) -> dict:
     """The float32 tree with every projection and the embedding rounded to bf16 (what
-    `quantize_params(params, "bf16")` holds, in float32 and Flax's layout)."""
+    `quantize_params(params, WeightFormat.BF16)` holds, in float32 and Flax's layout)."""
     def walk(node):
         if not isinstance(node, dict):
             return node
@@ -194,8 +194,8 @@ def test_bf16_model_is_the_float_model_with_bf16_rounded_weights(overrides: dict
 
     model_dir = save_tiny_hf("qwen2", str(tmp_path), **overrides)  # q/k/v biases stay float
     arch, params = load_checkpoint(model_dir, np.float32)
-    bparams = quantize_params(params, "bf16")
-    _, direct = load_checkpoint(model_dir, np.float32, quantization="bf16")  # one tensor at a time
+    bparams = quantize_params(params, WeightFormat.BF16)
+    _, direct = load_checkpoint(model_dir, np.float32, WeightFormat.BF16)  # one tensor at a time
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), direct, bparams))
     kinds = {"/".join(str(p.key) for p in path[1:]): a for path, a in jax.tree_util.tree_flatten_with_path(bparams)[0]}
     assert kinds["layers/self_attn/q_proj/qweight"].dtype == jnp.bfloat16
@@ -205,7 +205,7 @@ def test_bf16_model_is_the_float_model_with_bf16_rounded_weights(overrides: dict
     assert ("lm_head/qweight" in kinds) == (not arch.tie_word_embeddings)
     assert 0.45 * param_bytes(params) < param_bytes(bparams) < 0.55 * param_bytes(params)
 
-    bmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16")), LlamaForCausalLM(arch)
+    bmodel, fmodel = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.BF16)), LlamaForCausalLM(arch)
     rparams = _bf16_rounded(params)
     # 12 tokens take the few-token kernel: float32 products of the same bf16 weights.
     short_ids = list(range(3, 15))
@@ -237,7 +237,7 @@ def test_bf16_weights_through_the_engine_match_float32_greedy(packed: str, tmp_p
                   cpu_packed_weights=packed == "1")
         if q:
             worker = llm.engine.worker
-            assert worker.packed_weights == packed_here
+            assert worker.weight_format.packed == packed_here
             down = worker.stages[0].params["params"]["layers"]["mlp"]["down_proj"]
             if packed_here:
                 assert worker.weight_matmul.startswith("weights packed at load in oneDNN's layout")
@@ -260,7 +260,7 @@ def test_packed_bf16_model_is_the_onednn_bf16_model(overrides: dict, tmp_path) -
     if not packing_available():
         pytest.skip("no native oneDNN bf16 matmul here: nothing is packed")
     model_dir = save_tiny_hf("qwen2", str(tmp_path), **overrides)
-    arch, params = load_checkpoint(model_dir, np.float32, quantization="bf16")
+    arch, params = load_checkpoint(model_dir, np.float32, WeightFormat.BF16)
     pparams = pack_params(params, arch.tie_word_embeddings)
     kinds = {"/".join(str(p.key) for p in path[1:]): a for path, a in jax.tree_util.tree_flatten_with_path(pparams)[0]}
     assert "layers/self_attn/q_proj/qweight" not in kinds
@@ -272,11 +272,11 @@ def test_packed_bf16_model_is_the_onednn_bf16_model(overrides: dict, tmp_path) -
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))
     param_shardings(pparams, mesh)  # every packed leaf has a rule
 
-    pmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16", packed_weights=True))
+    pmodel = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.BF16_PACKED))
     # The model declares the packed shapes (--load-format dummy and sizing build from these).
     shape = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)  # noqa: E731
     assert shape(abstract_params(pmodel)) == shape(pparams)
-    bmodel = LlamaForCausalLM(arch, ModelOptions(quantization="bf16"))
+    bmodel = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.BF16))
     # 57 tokens: the plain model runs oneDNN too (repacking per call); the same products.
     ids = list(range(3, 60))
     p, b = prompt_logits(pmodel, pparams, ids), prompt_logits(bmodel, params, ids)
@@ -290,7 +290,7 @@ def test_packed_bf16_model_is_the_onednn_bf16_model(overrides: dict, tmp_path) -
 def test_bf16_refuses_experts_by_name(tmp_path) -> None:
     model_dir = save_tiny_hf("qwen3_moe", str(tmp_path))
     with pytest.raises(ValueError, match="quantization 'bf16' does not cover mixture-of-experts"):
-        load_checkpoint(model_dir, np.float32, quantization="bf16")
+        load_checkpoint(model_dir, np.float32, WeightFormat.BF16)
     arch, params = load_checkpoint(model_dir, np.float32)
     with pytest.raises(ValueError, match="quantization 'bf16'"):
-        quantize_params(params, "bf16")
+        quantize_params(params, WeightFormat.BF16)

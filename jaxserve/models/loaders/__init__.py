@@ -6,17 +6,18 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loaders.weights import WeightLoadError
 
 
 def load_checkpoint(
-    model: str | ModelFiles | None, dtype: Any, quantization: str | None = None
+    model: str | ModelFiles | None, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Read weights as host NumPy arrays in `dtype`; the worker places them.
 
-    With `quantization` ("int8", "bf16") the projections and embedding come back in that format
+    With a quantized `weight_format` (int8, bf16) the projections and embedding come back in that format
     (models/quantization.py), quantized one tensor at a time as they are read (GGUF and
     safetensors; an Orbax checkpoint is restored whole, then quantized).
     """
@@ -25,15 +26,15 @@ def load_checkpoint(
     if files.format == ModelFormat.GGUF:
         from jaxserve.models.loaders.gguf_loader import load_gguf
 
-        return load_gguf(files.path, dtype, quantization)
+        return load_gguf(files.path, dtype, weight_format)
     if files.format == ModelFormat.HF:
         from jaxserve.models.loaders.hf import load_hf_dir
 
-        return load_hf_dir(files.path, dtype, quantization)
+        return load_hf_dir(files.path, dtype, weight_format)
     from jaxserve.models.loaders.orbax_loader import read_orbax_arch, restore_orbax
     from jaxserve.models.quantization import quantize_params
 
-    return read_orbax_arch(files.path), quantize_params(restore_orbax(files.path, dtype), quantization)
+    return read_orbax_arch(files.path), quantize_params(restore_orbax(files.path, dtype), weight_format)
 
 
 def read_arch(model: str | ModelFiles | None) -> ArchConfig:

@@ -19,6 +19,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig, RopeScaling
 from jaxserve.models.model_files import open_gguf
 from jaxserve.models.rope import rope_inv_freq
@@ -177,10 +178,11 @@ def _with_llama3_rope(cfg: ArchConfig, reader: gguf.GGUFReader, path: str) -> Ar
     return scaled
 
 
-def load_gguf(path: str, dtype: Any, quantization: str | None = None) -> tuple[ArchConfig, dict[str, Any]]:
+def load_gguf(path: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
+              ) -> tuple[ArchConfig, dict[str, Any]]:
     """Return the architecture and the param tree of a GGUF checkpoint.
 
-    Each tensor is dequantized on its own when read; with `quantization="int8"` it is
+    Each tensor is dequantized on its own when read; with `WeightFormat.INT8` it is
     quantized again at once, so the float32 model never exists whole. (Q8_0's blocks of 32
     are not taken over as they are: our int8 groups are 64 inputs, faster in XLA's CPU matmul
     at one token than groups of 32.)
@@ -228,4 +230,4 @@ def load_gguf(path: str, dtype: Any, quantization: str | None = None) -> tuple[A
             w = w - 1.0
         return w
 
-    return cfg, build_params(cfg, get, dtype, path, quantization)
+    return cfg, build_params(cfg, get, dtype, path, weight_format)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loaders.weights import WeightLoadError, build_params
 
@@ -25,7 +26,7 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def load_hf_dir(
-    model_dir: str, dtype: Any, quantization: str | None = None
+    model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Return the architecture and the param tree of a safetensors checkpoint."""
     arch = ArchConfig.from_hf_config(read_hf_config(model_dir))
@@ -53,4 +54,4 @@ def load_hf_dir(
         except Exception as e:
             raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
 
-    return arch, build_params(arch, get, dtype, model_dir, quantization)
+    return arch, build_params(arch, get, dtype, model_dir, weight_format)

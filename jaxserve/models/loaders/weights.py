@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
@@ -135,20 +136,21 @@ def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np
 
 
 def _fetch_quantized(get: GetTensor, name: str, shape: tuple[int, int], source: str,
-                     method: str) -> dict[str, np.ndarray]:
-    """One [out, in] matrix converted to `method`'s format at once (models/quantization.py),
+                     fmt: WeightFormat) -> dict[str, np.ndarray]:
+    """One [out, in] matrix converted to `fmt` at once (models/quantization.py),
     so only this tensor is ever float."""
     from jaxserve.models.quantization import quantize_weight
 
-    return quantize_weight(_fetch(get, name, shape, source), method, in_axis=-1)
+    return quantize_weight(_fetch(get, name, shape, source), fmt, in_axis=-1)
 
 
 def build_params(
-    cfg: ArchConfig, get: GetTensor, dtype: Any, source: str, quantization: str | None = None
+    cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
+    weight_format: WeightFormat = WeightFormat.FLOAT,
 ) -> dict[str, Any]:
     """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
 
-    With `quantization` ("int8", "bf16") every projection and the embedding arrive in that
+    With a quantized `weight_format` (int8, bf16) every projection and the embedding arrive in that
     format one tensor at a time (`qweight` [out, in], int8's `scale`), so the whole model
     never exists in float32.
 
@@ -163,8 +165,8 @@ def build_params(
         for key in path[:-1]:
             node = node.setdefault(key, {})
         rows = _row_layers(cfg, path)
-        if quantization is not None and path[-1] == "kernel":
-            per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", shape, source, quantization)
+        if weight_format.quantized and path[-1] == "kernel":
+            per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", shape, source, weight_format)
                          for i in rows]
             node.update({k: np.stack([t[k] for t in per_layer]) for k in per_layer[0]})
             continue
@@ -176,16 +178,16 @@ def build_params(
         node[path[-1]] = stacked
     if cfg.num_experts:
         experts = _expert_params(cfg, get, dtype, source)
-        if quantization is not None:  # one stack at a time in float, then quantized
+        if weight_format.quantized:  # one stack at a time in float, then quantized
             from jaxserve.models.quantization import check_experts, quantize_weight
 
-            check_experts(quantization)
+            check_experts(weight_format)
             for name, w in experts.items():
-                experts[name] = quantize_weight(w, quantization, in_axis=-2)
+                experts[name] = quantize_weight(w, weight_format, in_axis=-2)
         layers["mlp"].update(experts)
     V, H = cfg.vocab_size, cfg.hidden_size
-    if quantization is not None:
-        embed = _fetch_quantized(get, "model.embed_tokens.weight", (V, H), source, quantization)
+    if weight_format.quantized:
+        embed = _fetch_quantized(get, "model.embed_tokens.weight", (V, H), source, weight_format)
     else:
         embed = {"embedding": np.asarray(_fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
     params: dict[str, Any] = {
@@ -193,8 +195,8 @@ def build_params(
         "layers": layers,
         "norm": {"scale": np.asarray(_fetch(get, "model.norm.weight", (H,), source), dtype)},
     }
-    if not cfg.tie_word_embeddings and quantization is not None:
-        params["lm_head"] = _fetch_quantized(get, "lm_head.weight", (V, H), source, quantization)
+    if not cfg.tie_word_embeddings and weight_format.quantized:
+        params["lm_head"] = _fetch_quantized(get, "lm_head.weight", (V, H), source, weight_format)
     elif not cfg.tie_word_embeddings:
         head = _fetch(get, "lm_head.weight", (V, H), source)
         params["lm_head"] = {"kernel": np.ascontiguousarray(head.T, dtype)}

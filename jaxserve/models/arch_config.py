@@ -190,7 +190,7 @@ class ArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ArchConfig":
         """Build from a parsed `config.json` (validates the architecture name)."""
-        from jaxserve.models.registry import ARCHITECTURES, resolve_architecture
+        from jaxserve.models.architectures import ARCHITECTURES, resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))
         spec = ARCHITECTURES[arch]

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.registry import ARCHITECTURES
+from jaxserve.models.architectures import ARCHITECTURES
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
 

@@ -18,11 +18,14 @@ import jax
 
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
-from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig, ResolvedConfig, WeightFormat
+from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig, ParallelConfig, ResolvedConfig, WeightFormat
 from jaxserve.models import ArchConfig
 from jaxserve.models.loaders import read_arch
+from jaxserve.models.moe import check_experts_split
+from jaxserve.models.quantization import check_experts
 from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.parallel.distributed import initialize_distributed
+from jaxserve.parallel.pipeline import split_layers
 from jaxserve.platforms import select_jax_platforms
 
 
@@ -48,6 +51,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     weight_format = WeightFormat.of(quantization)
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
+    refuse_contradictions(arch, weight_format, pc)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     resolved = ResolvedConfig(
         platform=platform, dtype=resolve_dtype(mc.dtype, platform), weight_format=weight_format,
@@ -59,6 +63,15 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),
         scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=max_model_len))
+
+
+def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: ParallelConfig) -> None:
+    """Flags this checkpoint contradicts, refused here (ValueError naming the flags) rather than
+    once its weights are loaded or its programs traced, where the same checks also stand."""
+    split_layers(arch.num_hidden_layers, pc.pipeline_parallel_size)
+    if arch.num_experts:
+        check_experts(weight_format)
+        check_experts_split(arch, pc.tensor_parallel_size, pc.enable_expert_parallel)
 
 
 def resolve_dtype(dtype: str, platform: str) -> str:

@@ -1,7 +1,7 @@
-"""Models: the Llama-family decoder, its registry and the checkpoint loaders.
+"""Models: the Llama-family decoder, its architecture table and the checkpoint loaders.
 
 The decoder (and JAX with it) loads on first use, so reading a checkpoint's architecture
-(`loaders.read_arch` of an HF folder, the registry) stays JAX-free and fast: the preflight
+(`loaders.read_arch` of an HF folder, the architecture table) stays JAX-free and fast: the preflight
 refuses an unsupported model in a fraction of a second.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.registry import resolve_architecture, supported_architectures
+from jaxserve.models.architectures import resolve_architecture, supported_architectures
 
 if TYPE_CHECKING:
     from jaxserve.models.attention_metadata import AttentionMetadata

@@ -190,9 +190,10 @@ class ArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ArchConfig":
         """Build from a parsed `config.json` (validates the architecture name)."""
-        from jaxserve.models.registry import resolve_architecture
+        from jaxserve.models.architectures import ARCHITECTURES, resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))
+        spec = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
@@ -203,11 +204,9 @@ class ArchConfig:
         if theta is None and isinstance(rope, dict):
             theta = rope.get("rope_theta")
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window") if arch in (
-            "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM") else None
-        moe = _moe_fields(arch, cfg)
-        gemma = _gemma_fields(arch, cfg)
+        window = cfg.get("sliding_window") if spec.sliding_window else None
+        moe = _moe_fields(spec.experts, cfg)
+        gemma = _gemma_fields(arch, spec.gemma, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -225,8 +224,8 @@ class ArchConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
+            qk_norm=spec.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             sliding_window=int(window) if window else None,
@@ -236,11 +235,10 @@ class ArchConfig:
         )
 
 
-def _gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 / 3's fields of ArchConfig ({} for the others)."""
-    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    if version is None:
         return {}
-    version = 2 if arch == "Gemma2ForCausalLM" else 3
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"{arch}: hidden_activation {cfg.get('hidden_activation')!r} is not "
                          "supported (gelu_pytorch_tanh)")
@@ -261,13 +259,13 @@ def _gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 layer_types=tuple(types), local_rope_theta=local_theta)
 
 
-def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def _moe_fields(experts: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
     """A mixture of experts' fields of ArchConfig ({} for a dense model)."""
-    if arch == "MixtralForCausalLM":
+    if experts == "mixtral":
         return dict(num_experts=int(cfg["num_local_experts"]),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if arch != "Qwen3MoeForCausalLM":
+    if experts != "qwen3_moe":
         return {}
     # transformers' rule: layer i is sparse unless listed, and only every step-th one.
     step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())

@@ -147,19 +147,26 @@ def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Ex
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(contrib).astype(x.dtype)
 
 
+def check_experts_split(cfg: ArchConfig, tp: int, ep: bool) -> None:
+    """ValueError naming the flags when the experts cannot be split over `tp` devices: whole
+    experts per device (expert parallelism) or a slice of every expert's intermediate size."""
+    n, name = (cfg.num_experts, "num_experts") if ep else (cfg.moe_intermediate_size,
+                                                           "moe_intermediate_size")
+    if cfg.num_experts and tp > 1 and n % tp:
+        raise ValueError(f"--tensor-parallel-size {tp}{' with --enable-expert-parallel' if ep else ''}: "
+                         f"the model's {name} ({n}) must be a multiple of it")
+
+
 def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate: Experts,
             w_up: Experts, w_down: Experts) -> jax.Array:
     """One layer's mixture of experts on x [T, H] (router [H, E], this layer's expert stacks),
     under the mesh's "model" axis when there is one (the module docstring has how)."""
-    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    I = cfg.moe_intermediate_size
     weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if opts.mesh is None:
         return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
     ep, tp = opts.expert_parallel, opts.mesh.shape["model"]
-    if (E if ep else I) % tp:
-        raise ValueError(f"{'num_experts' if ep else 'moe_intermediate_size'} "
-                         f"({E if ep else I}) must be a multiple of the tensor-parallel "
-                         f"size ({tp}){' with expert parallelism' if ep else ''}")
+    check_experts_split(cfg, tp, ep)
     # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
     # [E, H, I] (and their scales alike).
     int8 = opts.weight_format is WeightFormat.INT8

@@ -49,7 +49,7 @@ class Stage:
 def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """Contiguous, as even as possible; earlier stages take the remainder."""
     if pp > num_layers:
-        raise ValueError(f"pipeline_parallel_size {pp} exceeds the number of layers {num_layers}")
+        raise ValueError(f"--pipeline-parallel-size {pp} exceeds the model's {num_layers} layers")
     bounds = np.cumsum([0] + [num_layers // pp + (i < num_layers % pp) for i in range(pp)])
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 

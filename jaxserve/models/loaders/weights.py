@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.architectures import ARCHITECTURES
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
 
@@ -67,7 +68,7 @@ def _row_layers(cfg: ArchConfig, path: tuple[str, ...]) -> list[int]:
 
 
 def _moe_prefix(cfg: ArchConfig) -> str:
-    return "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+    return "block_sparse_moe" if ARCHITECTURES[cfg.architecture].experts == "mixtral" else "mlp"
 
 
 # param name -> (Mixtral's HF name, Qwen3-MoE's): each expert's [out, in] matrix.
@@ -80,7 +81,7 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> 
     w_down: [.., I, H]) from one [out, in] tensor per expert."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
-    mixtral = cfg.architecture == "MixtralForCausalLM"
+    mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
     out = {}
     for name, hf_names in _EXPERT_NAMES.items():
         shape = (H, I) if name == "w_down" else (I, H)
@@ -102,7 +103,7 @@ _FUSED = (("self_attn.q_proj", "self_attn.qkv_proj", 0), ("self_attn.k_proj", "s
 def _split_fused(cfg: ArchConfig, get: GetTensor) -> GetTensor:
     """`get` with Phi-3's fused `qkv_proj` [Q + 2 KV, H] and `gate_up_proj` [2 I, H] read as
     the separate projections (rows split at load; other checkpoints pass through)."""
-    if cfg.architecture != "Phi3ForCausalLM":
+    if not ARCHITECTURES[cfg.architecture].fused_projections:
         return get
     Q, KV, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     bounds = {"self_attn.qkv_proj": (0, Q, Q + KV, Q + 2 * KV), "mlp.gate_up_proj": (0, I, 2 * I)}

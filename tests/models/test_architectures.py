@@ -9,7 +9,7 @@ import re
 import pytest
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.registry import supported_architectures
+from jaxserve.models.architectures import supported_architectures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

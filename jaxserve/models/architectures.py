@@ -1,0 +1,63 @@
+"""Hugging Face `architectures` names -> what each means to the one decoder (one table).
+
+Every name here is served by the one Llama-family decoder in `llama.py`; the
+differences (q/k/v bias, q/k norm, tied head, rope scaling, a mixture-of-experts
+feed-forward from `moe.py`) are fields of `ArchConfig`. A structurally different
+model gets its own file and entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture name means to `ArchConfig.from_hf_config` and the decoder."""
+
+    sliding_window: bool = False  # config.json's `sliding_window` applies (per `layer_types` in Gemma)
+    qk_norm: bool = False  # RMSNorm on each head's q and k
+    attention_bias: bool = False  # q/k/v biases when config.json does not say
+    gemma: int | None = None  # Gemma's version: gemma.py's decoder layer, norms, soft caps
+    experts: str | None = None  # a mixture of experts' config and tensor names: "mixtral" or "qwen3_moe"
+    fused_projections: bool = False  # qkv_proj and gate_up_proj fused in the checkpoint (Phi-3)
+
+
+# The one table: every name the engine serves. Each is the Llama-family decoder of llama.py
+# with these differences.
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(sliding_window=True),
+    "Qwen2ForCausalLM": Architecture(attention_bias=True),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True),
+    "Gemma2ForCausalLM": Architecture(sliding_window=True, gemma=2),
+    "Gemma3ForCausalLM": Architecture(sliding_window=True, qk_norm=True, gemma=3),
+    "Phi3ForCausalLM": Architecture(sliding_window=True, fused_projections=True),
+    # Mixtures of experts: the same decoder with models/moe.py as its feed-forward.
+    "MixtralForCausalLM": Architecture(sliding_window=True, experts="mixtral"),
+    "Qwen3MoeForCausalLM": Architecture(qk_norm=True, experts="qwen3_moe"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def resolve_architecture(names: Sequence[str] | None) -> str:
+    """Return the first supported name in a config's `architectures` list.
+
+    Raises ValueError naming what was asked for and what is supported.
+    """
+    if not names:
+        raise ValueError(
+            "config.json has no 'architectures' entry; supported: "
+            + ", ".join(supported_architectures())
+        )
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"architecture {', '.join(names)} is not supported; supported: "
+        + ", ".join(supported_architectures())
+    )

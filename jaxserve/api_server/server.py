@@ -30,6 +30,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.messages import new_ipc_addresses
 from jaxserve.engine.core_process import launch_engine_core
 from jaxserve.engine.front_end import load_front_end
+from jaxserve.models.model_files import release_gguf_readers
 
 logger = logging.getLogger("jaxserve.api_server")
 
@@ -44,6 +45,7 @@ async def run_server(args: ServerArgs, config: EngineConfig,
     process exit status."""
     front = load_front_end(config.model_config, args.generation_config, args.chat_template)
     files, tokenizer, defaults = front.files, front.tokenizer, front.generation_defaults
+    release_gguf_readers()  # this process reads the model's files no more
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s "
                     "(--generation-config vllm to ignore them)", defaults)

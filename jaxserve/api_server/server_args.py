@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.tool_parsers import TOOL_PARSERS
 from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import add_dataclass_args, cli_arg
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 API_KEY_ENV = "JAXSERVE_API_KEY"  # vLLM's VLLM_API_KEY: --api-key's fallback
@@ -41,67 +42,56 @@ def read_chat_template(value: str) -> str:
     return value
 
 
-def _flag(help: str, **kw: object) -> dict[str, object]:
-    return {"help": help, **kw}
-
-
 @dataclass(frozen=True)
 class ServerArgs:
     """Each field is the flag of its name (`--uvicorn-log-level`, ...); its default is the
     flag's."""
 
-    host: str = field(default="127.0.0.1", metadata=_flag("use 0.0.0.0 to listen on every interface"))
-    port: int = field(default=8000, metadata=_flag("port to listen on", type=int))
-    uvicorn_log_level: str = field(default="info", metadata=_flag(
+    host: str = field(default="127.0.0.1", metadata=cli_arg("server", "use 0.0.0.0 to listen on every interface"))
+    port: int = field(default=8000, metadata=cli_arg("server", "port to listen on", type=int))
+    uvicorn_log_level: str = field(default="info", metadata=cli_arg("server",
         "uvicorn's own log level", choices=["debug", "info", "warning", "error", "critical"]))
-    disable_uvicorn_access_log: bool = field(default=False, metadata=_flag(
-        "no log line per HTTP request"))
-    disable_log_stats: bool = field(default=False, metadata=_flag(
-        "no periodic throughput / KV-usage log line"))
+    disable_uvicorn_access_log: bool = field(default=False, metadata=cli_arg("server",
+        "no log line per HTTP request", action="store_true"))
+    disable_log_stats: bool = field(default=False, metadata=cli_arg("server",
+        "no periodic throughput / KV-usage log line", action="store_true"))
     # NOTE: the environment is read after parsing: --help must not print the key.
-    api_key: str | None = field(default=None, metadata=_flag(
+    api_key: str | None = field(default=None, metadata=cli_arg("server",
         "require `Authorization: Bearer <key>` on every /v1 route "
         f"(or set ${API_KEY_ENV}; neither: no authentication)"))
-    trust_request_chat_template: bool = field(default=False, metadata=_flag(
-        "accept chat templates sent in requests (their cost is unbounded)"))
-    chat_template: str | None = field(default=None, metadata=_flag(
+    trust_request_chat_template: bool = field(default=False, metadata=cli_arg("server",
+        "accept chat templates sent in requests (their cost is unbounded)", action="store_true"))
+    chat_template: str | None = field(default=None, metadata=cli_arg("server",
         "a Jinja chat template (a file, or the template itself) replacing the tokenizer's"))
-    generation_config: str = field(default="auto", metadata=_flag(
+    generation_config: str = field(default="auto", metadata=cli_arg("server",
         "sampling defaults: auto (the model's generation_config.json), vllm (none: vLLM's own "
         "defaults) or a folder holding one"))
-    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=_flag(
+    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=cli_arg("server",
         f"most logprobs / prompt_logprobs a request may ask for (at most {MAX_LOGPROBS})", type=int))
-    root_path: str | None = field(default=None, metadata=_flag(
+    root_path: str | None = field(default=None, metadata=cli_arg("server",
         "the path prefix a reverse proxy serves this API under"))
-    enable_auto_tool_choice: bool = field(default=False, metadata=_flag(
-        'let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser'))
-    tool_call_parser: str | None = field(default=None, metadata=_flag(
+    enable_auto_tool_choice: bool = field(default=False, metadata=cli_arg("server",
+        'let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser', action="store_true"))
+    tool_call_parser: str | None = field(default=None, metadata=cli_arg("server",
         "how the model writes tool calls (hermes/qwen: <tool_call> tags; llama3_json; "
         "mistral: [TOOL_CALLS])", choices=sorted(TOOL_PARSERS)))
-    reasoning_parser: str | None = field(default=None, metadata=_flag(
+    reasoning_parser: str | None = field(default=None, metadata=cli_arg("server",
         "split <think>...</think> into the message's reasoning field",
         choices=sorted(REASONING_PARSERS)))
-    allowed_origins: tuple[str, ...] = field(default=("*",), metadata=_flag(
+    allowed_origins: tuple[str, ...] = field(default=("*",), metadata=cli_arg("server",
         "CORS: origins allowed to call the API (a JSON list)", type=json_list))
-    allowed_methods: tuple[str, ...] = field(default=("*",), metadata=_flag(
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata=cli_arg("server",
         "CORS methods", type=json_list))
-    allowed_headers: tuple[str, ...] = field(default=("*",), metadata=_flag(
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata=cli_arg("server",
         "CORS headers", type=json_list))
-    allow_credentials: bool = field(default=False, metadata=_flag("CORS credentials"))
-    otlp_traces_endpoint: str | None = field(default=None, metadata=_flag(
+    allow_credentials: bool = field(default=False, metadata=cli_arg("server", "CORS credentials", action="store_true"))
+    otlp_traces_endpoint: str | None = field(default=None, metadata=cli_arg("server",
         "export each request's trace as OpenTelemetry spans to this OTLP HTTP endpoint (e.g. "
         "http://127.0.0.1:4318/v1/traces; needs the otel extra)", metavar="URL"))
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("server")
-        for f in dataclasses.fields(ServerArgs):
-            kw = dict(f.metadata)
-            default = list(f.default) if isinstance(f.default, tuple) else f.default
-            if f.type == "bool":
-                group.add_argument(f"--{f.name.replace('_', '-')}", action="store_true", **kw)
-            else:
-                group.add_argument(f"--{f.name.replace('_', '-')}", default=default, **kw)
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_args(parser, cls)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, config: EngineConfig) -> ServerArgs:

@@ -61,7 +61,7 @@ def json_object(value: str) -> dict:
     return parsed
 
 
-def _arg(group: str, help: str, *aliases: str, cli: bool = True, **argparse_kw: Any) -> dict:
+def cli_arg(group: str, help: str, *aliases: str, cli: bool = True, **argparse_kw: Any) -> dict:
     """A field's command-line form: its argparse group, help, short aliases ("-tp") and
     add_argument keywords (type, choices, action, nargs, metavar); `cli=False` for
     arguments with no flag (read from the environment instead)."""
@@ -71,113 +71,132 @@ def _arg(group: str, help: str, *aliases: str, cli: bool = True, **argparse_kw: 
 BOOL = argparse.BooleanOptionalAction
 
 
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, group_prefix: str = "",
+                       defaults: dict[str, Any] | None = None, exclude: tuple[str, ...] = ()
+                       ) -> argparse.ArgumentParser:
+    """A flag per field of `cls` whose metadata is an `cli_arg(...)` (EngineArgs, ServerArgs):
+    `--field-name`, its aliases, default and help, in the field's argparse group."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta["cli"] or f.name in exclude:
+            continue
+        name = meta["group"]
+        if name not in groups:
+            groups[name] = parser.add_argument_group(group_prefix + name)
+        default = (defaults or {}).get(f.name, f.default)
+        groups[name].add_argument("--" + f.name.replace("_", "-"), *meta["aliases"],
+                                  dest=f.name, default=default, help=meta["help"], **meta["kw"])
+    return parser
+
+
 @dataclass
 class EngineArgs:
     """The engine's arguments under vLLM's names; `create_engine_config()` validates them.
     A default that a config section also has is that section's (one place for each)."""
 
     # model
-    model: str | None = field(default=None, metadata=_arg(
+    model: str | None = field(default=None, metadata=cli_arg(
         "model", "HF directory or .gguf file; None: SmolLM2-135M-Instruct, bundled"))
-    served_model_name: str | list[str] | None = field(default=None, metadata=_arg(
+    served_model_name: str | list[str] | None = field(default=None, metadata=cli_arg(
         "model", "model name(s) the API accepts; the first is reported (default: from --model)",
         nargs="+"))
-    tokenizer: str | None = field(default=None, metadata=_arg(
+    tokenizer: str | None = field(default=None, metadata=cli_arg(
         "model", "HF directory or .gguf file of the tokenizer, if not the model's"))
-    dtype: str = field(default=ModelConfig.dtype, metadata=_arg(
+    dtype: str = field(default=ModelConfig.dtype, metadata=cli_arg(
         "model", "weights and activations (auto: bfloat16 on GPU/TPU; on the CPU float32, with "
         "bfloat16 weights (as --quantization bf16) for dense models where the CPU has AVX512-BF16 "
         "or AMX)",
         choices=["auto", "float32", "bfloat16", "float16"]))
-    max_model_len: int | None = field(default=None, metadata=_arg(
+    max_model_len: int | None = field(default=None, metadata=cli_arg(
         "model", "context length (default: the model's)", type=human_readable_int))
-    quantization: str | None = field(default=None, metadata=_arg(
+    quantization: str | None = field(default=None, metadata=cli_arg(
         "model", "weight-only, converted at load from any checkpoint: int8 (per-channel int8 "
         "weights) or bf16 (bfloat16 weights; on the CPU oneDNN's bf16 matmul); activations stay "
         "float32 on the CPU", "-q", choices=list(QUANTIZATION_METHODS)))
-    load_format: str = field(default=ModelConfig.load_format, metadata=_arg(
+    load_format: str = field(default=ModelConfig.load_format, metadata=cli_arg(
         "model", "dummy: random weights of the model's shapes (its config.json alone "
         "suffices), for benchmarks and device checks", choices=list(LOAD_FORMATS)))
-    skip_tokenizer_init: bool = field(default=ModelConfig.skip_tokenizer_init, metadata=_arg(
+    skip_tokenizer_init: bool = field(default=ModelConfig.skip_tokenizer_init, metadata=cli_arg(
         "model", "load no tokenizer (a checkpoint without one): prompts are token ids, outputs "
         "token ids only", action="store_true"))
-    seed: int = field(default=ModelConfig.seed, metadata=_arg(
+    seed: int = field(default=ModelConfig.seed, metadata=cli_arg(
         "model", "engine seed (requests without a seed derive theirs from it)", type=int))
-    cpu_auto_bf16: bool | None = field(default=None, metadata=_arg(
+    cpu_auto_bf16: bool | None = field(default=None, metadata=cli_arg(
         "model", "on a CPU with bf16 units (AVX512-BF16, AMX), --dtype auto gives dense models "
         "bf16 weights; --no-cpu-auto-bf16 keeps float32 (default: yes, unless "
         f"${CPU_AUTO_BF16_ENV}=0)", action=BOOL))
-    cpu_packed_weights: bool | None = field(default=None, metadata=_arg(
+    cpu_packed_weights: bool | None = field(default=None, metadata=cli_arg(
         "model", "on such a CPU, bf16 weights are packed at load into oneDNN's blocked layout; "
         f"--no-cpu-packed-weights keeps plain rows (default: yes, unless "
         f"${CPU_PACKED_WEIGHTS_ENV}=0)", action=BOOL))
     # cache
-    block_size: int = field(default=CacheConfig.block_size, metadata=_arg(
+    block_size: int = field(default=CacheConfig.block_size, metadata=cli_arg(
         "cache", "tokens per KV-cache page", type=int))
-    gpu_memory_utilization: float = field(default=CacheConfig.gpu_memory_utilization, metadata=_arg(
+    gpu_memory_utilization: float = field(default=CacheConfig.gpu_memory_utilization, metadata=cli_arg(
         "cache", "fraction of accelerator memory for weights, activations and KV cache",
         type=float))
-    kv_cache_memory_bytes: int | None = field(default=None, metadata=_arg(
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=cli_arg(
         "cache", "KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
         "--gpu-memory-utilization of the device)", type=human_readable_int))
-    kv_cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=_arg(
+    kv_cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=cli_arg(
         "cache", "KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
         "one byte each (k_scale = v_scale = 1.0)", choices=list(KV_CACHE_DTYPES)))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_arg(
+    num_gpu_blocks_override: int | None = field(default=None, metadata=cli_arg(
         "cache", "KV-cache pages, overriding the memory budget", type=int))
-    enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
+    enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=cli_arg(
         "cache", "reuse KV pages of shared prompt prefixes", action=BOOL))
     # scheduler
-    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=_arg(
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=cli_arg(
         "scheduler", "most requests in the running batch", type=int))
-    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=_arg(
+    max_num_batched_tokens: int = field(default=SchedulerConfig.max_num_batched_tokens, metadata=cli_arg(
         "scheduler", "most tokens in one step (chunked prefill splits longer prompts)",
         type=human_readable_int))
-    async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=_arg(
+    async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=cli_arg(
         "scheduler", "schedule step N+1 while step N runs (off with speculative decoding)",
         action=BOOL))
-    scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=_arg(
+    scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=cli_arg(
         "scheduler", "order of the waiting queue", choices=[p.value for p in SchedulingPolicy]))
-    speculative_config: dict | SpeculativeConfig | None = field(default=None, metadata=_arg(
+    speculative_config: dict | SpeculativeConfig | None = field(default=None, metadata=cli_arg(
         "scheduler", 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens":'
         ' 4}\' (keys: prompt_lookup_max, prompt_lookup_min, disable_by_batch_size); turns off '
         "async scheduling", type=json_object, metavar="JSON"))
     structured_outputs_config: dict | StructuredOutputsConfig | None = field(
-        default=None, metadata=_arg(
+        default=None, metadata=cli_arg(
             "scheduler", 'structured outputs, e.g. \'{"disable_additional_properties": true}\' '
             "(JSON schemas' objects without additionalProperties get false); the backend is "
             "llguidance", type=json_object, metavar="JSON"))
-    pooler_config: dict | PoolerConfig | None = field(default=None, metadata=_arg(
+    pooler_config: dict | PoolerConfig | None = field(default=None, metadata=cli_arg(
         "model", 'embeddings (/v1/embeddings, LLM.embed), e.g. \'{"pooling_type": "MEAN", '
         '"normalize": false}\' (pooling_type LAST, MEAN or CLS; default LAST, normalized)',
         "--override-pooler-config", type=json_object, metavar="JSON"))
     # parallel
-    tensor_parallel_size: int = field(default=ParallelConfig.tensor_parallel_size, metadata=_arg(
+    tensor_parallel_size: int = field(default=ParallelConfig.tensor_parallel_size, metadata=cli_arg(
         "parallel", "devices each layer is split over", "-tp", type=int))
-    pipeline_parallel_size: int = field(default=ParallelConfig.pipeline_parallel_size, metadata=_arg(
+    pipeline_parallel_size: int = field(default=ParallelConfig.pipeline_parallel_size, metadata=cli_arg(
         "parallel", "stages the layers are split into", "-pp", type=int))
-    enable_expert_parallel: bool = field(default=ParallelConfig.enable_expert_parallel, metadata=_arg(
+    enable_expert_parallel: bool = field(default=ParallelConfig.enable_expert_parallel, metadata=cli_arg(
         "parallel", "mixture of experts: split the experts over the tensor-parallel devices "
         "(E / tp whole experts each) instead of every expert's columns", action="store_true"))
-    data_parallel_size: int = field(default=ParallelConfig.data_parallel_size, metadata=_arg(
+    data_parallel_size: int = field(default=ParallelConfig.data_parallel_size, metadata=cli_arg(
         "parallel", "engine-core processes, each with its own devices, KV cache and scheduler",
         "-dp", type=int))
-    distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
+    distributed_coordinator_address: str | None = field(default=None, metadata=cli_arg(
         "parallel", "multi-host coordinator (default: $JAX_COORDINATOR_ADDRESS)", cli=False))
-    distributed_num_processes: int | None = field(default=None, metadata=_arg(
+    distributed_num_processes: int | None = field(default=None, metadata=cli_arg(
         "parallel", "multi-host processes (default: $JAX_NUM_PROCESSES)", cli=False))
-    distributed_process_id: int | None = field(default=None, metadata=_arg(
+    distributed_process_id: int | None = field(default=None, metadata=cli_arg(
         "parallel", "this host's process (default: $JAX_PROCESS_ID)", cli=False))
     # worker
-    enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=_arg(
+    enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=cli_arg(
         "worker", "skip compiling the buckets at start-up (compile lazily)", action="store_true"))
-    attention_backend: str = field(default=EngineConfig.attention_backend, metadata=_arg(
+    attention_backend: str = field(default=EngineConfig.attention_backend, metadata=cli_arg(
         "worker", "attention kernel variant: auto (the platform's own: cpu, gpu or tpu), "
         "reference, or any registered variant"))
-    attention_interpret: bool = field(default=EngineConfig.attention_interpret, metadata=_arg(
+    attention_interpret: bool = field(default=EngineConfig.attention_interpret, metadata=cli_arg(
         "worker", "run Pallas attention variants in interpret mode (tests, research)",
         action="store_true"))
-    request_tracing: bool = field(default=EngineConfig.request_tracing, metadata=_arg(
+    request_tracing: bool = field(default=EngineConfig.request_tracing, metadata=cli_arg(
         "worker", "trace each request box by box (/debug); --no-request-tracing turns it off",
         action=BOOL))
 
@@ -196,19 +215,7 @@ class EngineArgs:
                      exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
         """Add every engine flag (`--max-num-seqs`, ...) to `parser`, in one argparse group
         per box; `defaults` overrides a default for this command line (its --help shows it)."""
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if not meta["cli"] or f.name in exclude:
-                continue
-            name = meta["group"]
-            if name not in groups:
-                groups[name] = parser.add_argument_group(f"engine: {name}")
-            kw = dict(meta["kw"])
-            default = (defaults or {}).get(f.name, f.default)
-            groups[name].add_argument("--" + f.name.replace("_", "-"), *meta["aliases"],
-                                      dest=f.name, default=default, help=meta["help"], **kw)
-        return parser
+        return add_dataclass_args(parser, cls, "engine: ", defaults, exclude)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

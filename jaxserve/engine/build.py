@@ -16,7 +16,7 @@ from jaxserve.engine.resolve import resolve_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.structured_output import StructuredOutputManager
-from jaxserve.models.model_files import resolve_model
+from jaxserve.models.model_files import release_gguf_readers, resolve_model
 from jaxserve.parallel.distributed import LeaderWorker, run_follower
 from jaxserve.models.tokenizer import load_tokenizer
 from jaxserve.worker.worker import Worker
@@ -40,6 +40,7 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     config = resolve_engine_config(config, files)
     worker = Worker(config, files)
     worker.load_model()
+    release_gguf_readers()  # the weights are read: nothing parses the file again
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
                 worker.weight_format.quantization or np.dtype(worker.dtype).name)

@@ -361,6 +361,26 @@ class WeightFormat(enum.Enum):
         return self is WeightFormat.BF16_PACKED
 
 
+class KVCacheDtype(enum.Enum):
+    """The values the KV cache holds (--kv-cache-dtype resolved against the model's dtype).
+    The value is the name kernels_pallas takes (kernels_pallas/kv_cache.py: KV_VALUE_DTYPES)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FP8_E4M3 = "fp8_e4m3"  # --kv-cache-dtype fp8, as in vLLM
+    FP8_E5M2 = "fp8_e5m2"
+
+    @classmethod
+    def resolve(cls, kv_cache_dtype: str, dtype: str) -> KVCacheDtype:
+        """--kv-cache-dtype ("auto": the model's resolved `dtype`; "fp8": e4m3)."""
+        return cls({"auto": dtype, "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype))
+
+    @property
+    def fp8(self) -> bool:
+        return self in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2)
+
+
 @dataclass(frozen=True)
 class ResolvedConfig:
     """The settings that depend on the devices and the checkpoint, decided once in the engine
@@ -373,6 +393,7 @@ class ResolvedConfig:
     weight_format_reason: str  # why (start-up logs it on the CPU)
     attention_backend: str  # the kernel variant (--attention-backend auto resolved)
     max_model_len: int  # --max-model-len, or the model's context length
+    kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype)
 
 
 @dataclass(frozen=True)

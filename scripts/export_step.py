@@ -38,7 +38,7 @@ from jaxserve.models.attention import ModelOptions
 from jaxserve.models.arch_config import RopeScaling
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params
-from jaxserve.config import KV_CACHE_DTYPES, ParallelConfig, WeightFormat
+from jaxserve.config import KV_CACHE_DTYPES, KVCacheDtype, ParallelConfig, WeightFormat
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
 from jaxserve.worker.sampler_inputs import sampler_packing
@@ -80,7 +80,7 @@ def build_runner(
     arch = SHAPES[shapes]
     model = LlamaForCausalLM(arch, ModelOptions(jnp.bfloat16, AUTO_ATTENTION_BACKEND[platform],
                                                 weight_format=WeightFormat.of(quantization),
-                                                kv_cache_dtype=kv_cache_dtype))
+                                                kv_cache_dtype=KVCacheDtype.resolve(kv_cache_dtype, "bfloat16")))
     kv = model.kv_cache(NUM_PAGES, BLOCK_SIZE)  # the platform's layout (TPU: packed int32)
     params = abstract_params(model)
     mesh = make_mesh(ParallelConfig())

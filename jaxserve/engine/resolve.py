@@ -3,7 +3,8 @@ once in the engine process, before the worker is built.
 
     EngineArgs ─create_engine_config─▶ EngineConfig (flags checked; JAX-free, any process)
         ─resolve_engine_config─▶ EngineConfig with `resolved` (platform, dtype, weight format,
-                                 attention backend, max_model_len) ─▶ Worker, Scheduler, READY
+                                 attention backend, max_model_len, KV cache dtype)
+        ─▶ Worker, Scheduler, READY
 
 The worker and the model read `config.resolved` and decide nothing; the API server receives the
 same record in the ready message (jaxserve/engine/messages.py: EngineReady).
@@ -18,7 +19,8 @@ import jax
 
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
-from jaxserve.config import CPU_AUTO_BF16_ENV, EngineConfig, ParallelConfig, ResolvedConfig, WeightFormat
+from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ParallelConfig, ResolvedConfig,
+                             WeightFormat)
 from jaxserve.models import ArchConfig
 from jaxserve.models.loaders import read_arch
 from jaxserve.models.moe import check_experts_split
@@ -53,12 +55,13 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         weight_format = WeightFormat.BF16_PACKED
     refuse_contradictions(arch, weight_format, pc)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
+    dtype = resolve_dtype(mc.dtype, platform)
     resolved = ResolvedConfig(
-        platform=platform, dtype=resolve_dtype(mc.dtype, platform), weight_format=weight_format,
-        weight_format_reason=reason,
+        platform=platform, dtype=dtype, weight_format=weight_format, weight_format_reason=reason,
         attention_backend=resolve_attention_backend(config.attention_backend, platform,
                                                     config.attention_interpret),
-        max_model_len=max_model_len)
+        max_model_len=max_model_len,
+        kv_cache_dtype=KVCacheDtype.resolve(config.cache_config.cache_dtype, dtype))
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 import kernels_pallas
-from jaxserve.config import WeightFormat
+from jaxserve.config import KVCacheDtype, WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm
@@ -40,7 +40,9 @@ class ModelOptions:
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
     weight_format: WeightFormat = WeightFormat.FLOAT  # models/quantization.py
-    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3" / "fp8_e5m2": fp8 values in the cache
+    # The values the cache holds (the engine's is resolved from --kv-cache-dtype): fp8 ones are
+    # stored as their bits in a uint8 cache.
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.FLOAT32
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
@@ -50,13 +52,12 @@ class ModelOptions:
         return self.mesh is None
 
 
-def kv_cache_layout(cfg: ArchConfig, dtype: Any, attention_backend: str,
-                    kv_cache_dtype: str = "auto", tp: int = 1) -> kernels_pallas.KVCacheLayout:
-    """One device's cache layout: its `num_kv_heads / tp` heads, in the values' type (the
-    model's dtype for --kv-cache-dtype auto), as the attention backend's kernels take it."""
+def kv_cache_layout(cfg: ArchConfig, attention_backend: str, kv_cache_dtype: KVCacheDtype,
+                    tp: int = 1) -> kernels_pallas.KVCacheLayout:
+    """One device's cache layout: its `num_kv_heads / tp` heads, in the values' type, as the
+    attention backend's kernels take it."""
     return kernels_pallas.kv_cache_layout(cfg.num_key_value_heads // tp, cfg.head_dim,
-                                          kv_values_dtype(kv_cache_dtype, dtype),
-                                          backend=attention_backend)
+                                          kv_cache_dtype.value, backend=attention_backend)
 
 
 def attention_options(cfg: ArchConfig, local: bool | None = None) -> dict[str, Any]:
@@ -157,7 +158,7 @@ class Attention(nn.Module):
                 paged_attention, sm_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
                 backend=opts.attention_backend, interpret=opts.attention_interpret,
                 options=attention_options(cfg, local),
-                kv_cache_dtype=kv_values_dtype(opts.kv_cache_dtype, opts.dtype), write=write,
+                kv_cache_dtype=opts.kv_cache_dtype.value, write=write,
                 read=read,
             )
             if opts.mesh is not None:
@@ -199,8 +200,3 @@ class Attention(nn.Module):
             out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
         out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)
         return out, kv_cache
-
-
-def kv_values_dtype(kv_cache_dtype: str, dtype: Any) -> str:
-    """--kv-cache-dtype -> the name of the values the cache holds ("auto": the model's dtype)."""
-    return kv_cache_dtype if kv_cache_dtype != "auto" else jnp.dtype(dtype).name

@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         """The whole (every device's heads) stacked cache this model runs with."""
         opts = self.opts
         tp = 1 if opts.mesh is None else opts.mesh.shape["model"]
-        layout = kv_cache_layout(self.cfg, opts.dtype, opts.attention_backend, opts.kv_cache_dtype, tp)
+        layout = kv_cache_layout(self.cfg, opts.attention_backend, opts.kv_cache_dtype, tp)
         token = layout.token_shape
         shape = (self.cfg.num_hidden_layers, num_pages, page_size, tp * token[0], *token[1:])
         return jax.ShapeDtypeStruct(shape, layout.storage_dtype)

@@ -44,7 +44,7 @@ from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
-from jaxserve.worker.programs import Program, abstract as abstract_tree, runner_programs
+from jaxserve.worker.programs import Program, ProgramKind, abstract as abstract_tree, runner_programs
 from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, with_sampled
 from jaxserve.worker.pooler import Pooler, pool_sums
 from jaxserve.worker.rejection_sampler import rejection_sample
@@ -397,6 +397,22 @@ class ModelRunner:
         """The runner's own device state besides weights and cache (for KV-cache sizing)."""
         return (self.last_sampled, self._no_sampled, self.penalties)
 
+    def _warm_up_sampler(self, R: int, mode: SamplerMode, verify: bool, inp: StepInputs,
+                         hidden: Any) -> None:
+        """Compile one sampler program on no rows, then time a warm run of it."""
+        empty = np.zeros(0, np.int32)
+        no_rows = (empty, np.zeros(0, bool), empty)
+        md, _ = (verify_inputs(self.batch, inp, *no_rows[:2], empty, [], R) if verify
+                 else sampling_inputs(self.batch, *no_rows, R))
+        for timed in (False, True):
+            jax.block_until_ready(hidden)
+            t = time.perf_counter()
+            self.last_sampled, self.penalties, out = self.sample_program(
+                R, mode, verify, self.params, hidden, self.last_sampled, self.penalties, md)
+            jax.block_until_ready(out)
+            if timed:
+                self.sample_time_s[(R, mode, verify)] = time.perf_counter() - t
+
     def programs(self, on_first_use: bool = True) -> list[Program]:
         """Every program the engine runs, with abstract arguments on this runner's meshes:
         what `warm_up` compiles, then (`on_first_use`) the variants compiled when a request
@@ -404,41 +420,32 @@ class ModelRunner:
         return runner_programs(self, on_first_use)
 
     def warm_up(self) -> float:
-        """Compile every token bucket and every (request bucket, sampler mode), so nothing
-        compiles while serving (the programs `programs(on_first_use=False)` lists).
+        """Compile and run once every program `programs(on_first_use=False)` lists, so nothing
+        compiles while serving: each forward token bucket (all its stages in one pass), each
+        (request bucket, sampler mode) and the admission.
 
-        Runs each program once on empty inputs (no sequences: attention loops zero
-        times, writes land in the null page, samples land on dropped slots).
-        Returns the seconds spent.
+        Runs each on empty inputs (no sequences: attention loops zero times, writes land in
+        the null page, samples land on dropped slots). A real call, not `lower().compile()`:
+        only a call fills jit's dispatch cache. Returns the seconds spent.
         """
         t0 = time.perf_counter()
-        modes = list(SamplerMode)
-        samplers = self.sampler_keys()
-        total = len(self.token_buckets) + len(samplers) * len(modes) + 1
+        programs = self.programs(on_first_use=False)
         empty = np.zeros(0, np.int32)
+        inp, hidden = None, None
         # disable=None: a bar on a terminal, nothing in a log file (one line per update there).
-        with tqdm(total=total, desc="Compiling buckets", unit="program", disable=None) as bar:
-            hidden = None
-            for T in self.token_buckets:
-                inp, _, _ = self.batch.prepare([], empty, T)
-                hidden = self._forward(inp)
+        with tqdm(total=len(programs), desc="Compiling buckets", unit="program", disable=None) as bar:
+            for p in programs:
+                if p.kind is ProgramKind.FORWARD:
+                    if p.args[0] == 0:  # the first stage's program: one pass runs every stage
+                        inp, _, _ = self.batch.prepare([], empty, p.bucket)
+                        hidden = self._forward(inp)
+                elif p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY):
+                    R, mode, verify = p.args[:3]
+                    self._warm_up_sampler(R, mode, verify, inp, hidden)
+                elif p.kind is ProgramKind.ADMIT:
+                    self._admit_slot(0, [], [])
+                else:
+                    raise AssertionError(f"warm-up has no empty inputs for {p.name}")
                 bar.update()
-            for R, verify in samplers:
-                no_rows = (empty, np.zeros(0, bool), empty)
-                md, _ = (verify_inputs(self.batch, inp, *no_rows[:2], empty, [], R) if verify
-                         else sampling_inputs(self.batch, *no_rows, R))
-                for mode in modes:
-                    for timed in (False, True):  # compile, then time a warm run
-                        jax.block_until_ready(hidden)
-                        t = time.perf_counter()
-                        self.last_sampled, self.penalties, out = self.sample_program(
-                            R, mode, verify, self.params, hidden, self.last_sampled,
-                            self.penalties, md)
-                        jax.block_until_ready(out)
-                        if timed:
-                            self.sample_time_s[(R, mode, verify)] = time.perf_counter() - t
-                    bar.update()
-            self._admit_slot(0, [], [])
-            bar.update()
             jax.block_until_ready(([st.kv_cache for st in self.stages], self.last_sampled, self.penalties))
         return time.perf_counter() - t0

@@ -110,7 +110,7 @@ class Worker:
         self.model_options = ModelOptions(
             dtype=self.dtype, attention_backend=self.attention_backend,
             attention_interpret=config.attention_interpret, weight_format=self.weight_format,
-            kv_cache_dtype=config.cache_config.cache_dtype,
+            kv_cache_dtype=r.kv_cache_dtype,
             expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
@@ -168,8 +168,8 @@ class Worker:
     @property
     def kv_layout(self) -> kernels_pallas.KVCacheLayout:
         """One device's cache layout (kernels_pallas/kv_cache.py)."""
-        return kv_cache_layout(self.run_arch, self.dtype, self.attention_backend,
-                               self.config.cache_config.cache_dtype,
+        return kv_cache_layout(self.run_arch, self.attention_backend,
+                               self.config.resolved.kv_cache_dtype,
                                self.config.parallel_config.tensor_parallel_size)
 
     def page_bytes(self) -> int:

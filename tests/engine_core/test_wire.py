@@ -12,7 +12,7 @@ from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import PrefixCacheStats, SchedulerStats, StepStats
 from jaxserve.engine_core.step_trace import StepTrace
 from jaxserve.engine_core.wire import decode_record, encode_record
-from jaxserve.config import ResolvedConfig, WeightFormat
+from jaxserve.config import KVCacheDtype, ResolvedConfig, WeightFormat
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -22,7 +22,8 @@ RECORDS = [
     EngineCoreRequest("e", [4, 5], SamplingParams(max_tokens=1), 1.0,
                       pooling_params=PoolingParams("MEAN", normalize=False)),
     EngineReady(100, 16, 49152, 64, {"load_s": 1.5, "compile_s": 20.0},
-                ResolvedConfig("cpu", "float32", WeightFormat.BF16_PACKED, "why", "cpu", 2048)),
+                ResolvedConfig("cpu", "float32", WeightFormat.BF16_PACKED, "why", "cpu", 2048,
+                               KVCacheDtype.FP8_E5M2)),
     StepTrace(7, 1.0, 1.1, 4, 64, 1.2, 1.3, 1.5, 1.6, 0.01, 1, 0.5),
     SchedulerStats(3, 1, 0.25, PrefixCacheStats(2, 100, 40), 1,
                    StepStats(10, 0.02, 3.5, 1, 0.5), SpecDecodingStats(3, 4, 12, 7, [3, 2, 2])),

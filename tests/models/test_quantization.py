@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig, WeightFormat
+from jaxserve.config import KVCacheDtype, ModelConfig, WeightFormat
 from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
@@ -144,7 +144,7 @@ def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> No
     arch, params = load_checkpoint(model_dir, np.float32)
     ids = list(range(3, 60))
     f = prompt_logits(LlamaForCausalLM(arch, ModelOptions(attention_backend=backend)), params, ids)
-    for kv in ("fp8_e4m3", "fp8_e5m2"):
+    for kv in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2):
         model = LlamaForCausalLM(arch, ModelOptions(attention_backend=backend, kv_cache_dtype=kv))
         q = prompt_logits(model, params, ids)  # a uint8 cache holding fp8 bits
         assert np.isfinite(q).all()

@@ -24,11 +24,13 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.chips import CHIPS, chip, parse_prices
 from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.platforms import select_jax_platforms
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.serve import engine_arg_parser, engine_config_from_args
 from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
+from jaxserve.roofline import Row
 from jaxserve.worker.targets import Target, parse_target, supported_targets
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class PreflightReport:
     memory: MemoryPlan | None = None
     programs: list[ProgramResult] = dataclasses.field(default_factory=list)
     error: str | None = None  # a configuration that cannot fit, or programs that failed
+    roofline: list[Row] = dataclasses.field(default_factory=list)  # --roofline's steps
+    roofline_error: str | None = None  # why there are none (a chip the table lacks)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +100,8 @@ class PreflightReport:
 
     def to_text(self) -> str:
         s = self.settings
+        if not s:  # the target failed before the engine was built
+            return f"jaxserve preflight: {self.model} on {self.target}\nerror: {self.error}\nresult: FAILED"
         lines = [f"jaxserve preflight: {self.model} ({self.architecture}) on {self.target} "
                  f"({self.device} x {self.num_devices}): tp={s['tensor_parallel_size']} "
                  f"pp={s['pipeline_parallel_size']}, {s['dtype']} weights"
@@ -140,8 +146,14 @@ def make_parser() -> argparse.ArgumentParser:
     --json."""
     p = engine_arg_parser("python -m jaxserve.preflight", __doc__.splitlines()[0])
     g = p.add_argument_group("preflight")
-    g.add_argument("--target", required=True,
-                   help=f"the device to compile for: {supported_targets()}")
+    g.add_argument("--target", required=True, nargs="+",
+                   help=f"the device(s) to compile for, one after another: {supported_targets()}")
+    g.add_argument("--roofline", action="store_true",
+                   help="estimate each target's speed: the ideal decode and prefill steps at the "
+                        "chip's HBM bandwidth and peak (an upper bound; jaxserve/roofline.py), "
+                        "tokens/s and dollars per million output tokens")
+    g.add_argument("--price", nargs="+", default=None, metavar="CHIP=USD",
+                   help="on-demand USD per chip-hour, over jaxserve/chips.py's (e.g. tpu7x=6.0)")
     g.add_argument("--json", action="store_true", help="print the report as one JSON object")
     g.add_argument("--only-warm-up", action="store_true",
                    help="compile only warm-up's programs, not the first-use variants")
@@ -155,35 +167,37 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args: argparse.Namespace) -> tuple[Target, Any, ModelFiles, Any]:
+def validate(args: argparse.Namespace) -> tuple[list[Target], Any, ModelFiles, Any]:
     """Everything checkable without JAX (fast): the target, the flags, the model's
     architecture. Raises ValueError / FileNotFoundError with the message to show."""
     for name in ("model", "model_tag"):  # config.json alone: its folder (no weights needed)
         path = getattr(args, name)
         if path and os.path.basename(path) == "config.json":
             setattr(args, name, os.path.dirname(os.path.abspath(path)))
-    target = parse_target(args.target)
+    targets = [parse_target(t) for t in args.target]
+    parse_prices(args.price)
     config = engine_config_from_args(args)
     files = resolve_model(config.model_config.model)
     from jaxserve.models.loaders import read_arch  # HF: config.json only, no JAX
 
-    return target, config, files, read_arch(files)
+    return targets, config, files, read_arch(files)
 
 
 def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: bool = True,
-                  threads: int | None = None, kinds: tuple[ProgramKind, ...] | None = None
-                  ) -> PreflightReport:
+                  threads: int | None = None, kinds: tuple[ProgramKind, ...] | None = None,
+                  roofline: bool = False) -> PreflightReport:
     """Size the cache and compile every program for `target` (the JAX part); `threads`
     compiles at once for a GPU (default: one per CPU core, at most 4); `kinds` keeps only
     programs of those kinds ("forward", "sample", ...)."""
     from jaxserve.worker.programs import without_persistent_cache
 
     with without_persistent_cache():
-        return _run(config, target, files, on_first_use, threads, kinds)
+        return _run(config, target, files, on_first_use, threads, kinds, roofline)
 
 
 def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
-         threads: int | None, kinds: tuple[ProgramKind, ...] | None) -> PreflightReport:
+         threads: int | None, kinds: tuple[ProgramKind, ...] | None,
+         roofline: bool = False) -> PreflightReport:
     import jax
 
     from jaxserve.engine.resolve import resolve_engine_config
@@ -208,6 +222,14 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
             "block_size": cc.block_size})
+    def estimate(temp_by_bucket: dict[int, int] | None = None) -> None:
+        if roofline:
+            try:
+                report.roofline = _roofline_rows(target, worker, config, temp_by_bucket)
+            except ValueError as e:  # a chip the table lacks: the other figures stand
+                report.roofline_error = str(e)
+
+    estimate()  # before anything can fail to fit: the estimate stands either way
     options = GPU_COMPILER_OPTIONS if target.platform == "cuda" else None
     # NOTE: TPU programs compile one at a time: libtpu 0.0.42.1's SparseCore code generator
     # (v6e, tpu7x) overflowed its fibers' stacks with two compiles at once (never alone).
@@ -238,7 +260,36 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     failed = [p.name for p in report.programs if not p.ok]
     if failed:
         report.error = f"{len(failed)} program(s) failed: {', '.join(failed[:5])}"
+    temps: dict[int, int] = {}
+    for program, r in zip(programs, report.programs):
+        if program.kind == "forward" and program.at_warm_up and r.ok:
+            temps[program.bucket] = max(temps.get(program.bucket, 0), r.temp_bytes)
+    estimate(temps)
     return report
+
+
+def _roofline_rows(target: Target, worker: Any, config: Any,
+                   temp_by_bucket: dict[int, int] | None) -> list[Row]:
+    """--roofline's steps for `target` with the resolved weights and KV cache."""
+    import numpy as np
+
+    from jaxserve import roofline
+    from jaxserve.config import WeightFormat
+    from jaxserve.worker.buckets import token_buckets
+
+    if not target.chip:
+        raise ValueError(f"--target {target.name}: a target spec file names no chip of "
+                         f"jaxserve/chips.py's CHIPS table ({', '.join(CHIPS)})")
+    r, sc, pc = config.resolved, config.scheduler_config, config.parallel_config
+    fmt = worker.weight_format
+    act = np.dtype(worker.dtype).itemsize
+    weight_width = 1 if fmt is WeightFormat.INT8 else 2 if fmt.bf16 else act
+    kv_width = 1 if r.kv_cache_dtype.fp8 else np.dtype(r.kv_cache_dtype.value).itemsize
+    return roofline.rows(
+        target.name, chip(target.chip), worker.arch, pc.tensor_parallel_size,
+        "int8" if fmt is WeightFormat.INT8 else "bf16", weight_width, kv_width, act,
+        sc.max_num_seqs, worker.max_model_len, token_buckets(sc.max_num_batched_tokens),
+        temp_by_bucket)
 
 
 def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
@@ -254,6 +305,61 @@ def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
     return tuple(ProgramKind(k) for k in value.split(","))
 
 
+def target_summary(report: PreflightReport, prices: dict[str, float]) -> dict[str, Any]:
+    """One target's line of the comparison (JSON: `targets` under --roofline)."""
+    from jaxserve.roofline import estimate, usd_per_million_tokens
+
+    m = report.memory
+    c1, c64 = estimate(report.roofline, 1), estimate(report.roofline, 64)
+    usd = None
+    name = parse_target(report.target).chip if report.roofline else ""
+    if c64 is not None and name:
+        c = chip(name)
+        devices = report.settings["tensor_parallel_size"] * report.settings["pipeline_parallel_size"]
+        usd = usd_per_million_tokens(prices.get(name, c.usd_per_hour), devices, c, c64)
+    return {"target": report.target, "fits": report.ok, "error": report.error,
+            "roofline_error": report.roofline_error,
+            "memory": report.to_json()["memory"],
+            "max_concurrent_seqs": m.max_concurrent_seqs if m else None,
+            "est_tokens_per_s_c1": c1, "est_tokens_per_s_c64": c64, "usd_per_m_tokens": usd}
+
+
+def roofline_text(report: PreflightReport) -> str:
+    if report.roofline_error:
+        return f"roofline: {report.roofline_error}"
+    lines = ["roofline: the ideal step at the chip's HBM bandwidth and matmul peak, an upper "
+             "bound (jaxserve/roofline.py; compiled bytes against it: not measured yet)",
+             f"  {'step':<8} {'batch':>5} {'context':>7} {'bucket':>6} {'pad':>4} "
+             f"{'ideal MB':>9} {'GFLOP':>8} {'ms':>8} {'bound':>7} {'attn':>5} {'est tok/s':>10}"]
+    for r in report.roofline:
+        lines.append(
+            f"  {r.program:<8} {r.batch:>5} {r.context:>7} {r.bucket or '-':>6} "
+            f"{r.padding_share:>4.0%} {r.ideal_bytes / 1e6:>9.1f} {r.ideal_flops / 1e9:>8.1f} "
+            f"{r.roofline_s * 1e3:>8.3f} {r.bound:>7} {r.attention_share:>5.0%} "
+            f"{r.est_tokens_per_s:>10,.0f}")
+    return "\n".join(lines)
+
+
+def comparison_text(summaries: list[dict[str, Any]]) -> str:
+    def num(v: float | None, f: str) -> str:
+        return "-" if v is None else format(v, f)
+
+    lines = ["comparison (decode at 1k tokens of context; estimates are upper bounds):",
+             f"  {'target':<12} {'fits':>4} {'KV pages':>9} {'max seqs':>8} {'tok/s c1':>9} "
+             f"{'tok/s c64':>10} {'$/M tok c64':>11}"]
+    for t in summaries:
+        m = t["memory"] or {}
+        lines.append(f"  {t['target']:<12} {'yes' if t['fits'] else 'no':>4} "
+                     f"{num(m.get('num_pages'), ','):>9} {num(t['max_concurrent_seqs'], ','):>8} "
+                     f"{num(t['est_tokens_per_s_c1'], ',.0f'):>9} "
+                     f"{num(t['est_tokens_per_s_c64'], ',.0f'):>10} "
+                     f"{num(t['usd_per_m_tokens'], '.3f'):>11}")
+        why = t["error"] or t["roofline_error"]
+        if why:
+            lines.append(f"  {'':<12} {why[:200]}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     # The runtime backend does not matter here (the devices are compile-only); the CPU's
     # starts at once, where probing for a GPU or TPU runtime prints errors or waits.
@@ -261,17 +367,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        target, config, files, _ = validate(args)
+        targets, config, files, arch = validate(args)
+        kinds = program_kinds(args.programs)
+        prices = parse_prices(args.price)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    try:
-        kinds = program_kinds(args.programs)
-        report = run_preflight(config, target, files, on_first_use=not args.only_warm_up,
-                               threads=args.compile_threads, kinds=kinds)
-    except ValueError as e:  # e.g. more devices asked for than the topology has
-        parser.error(str(e))
-    print(json.dumps(report.to_json(), indent=1) if args.json else report.to_text())
-    return 0 if report.ok else 1
+    reports = []
+    for target in targets:  # one after another; one target's failure hides no other's
+        try:
+            report = run_preflight(config, target, files, on_first_use=not args.only_warm_up,
+                                   threads=args.compile_threads, kinds=kinds,
+                                   roofline=args.roofline)
+        except ValueError as e:  # e.g. more devices asked for than the topology has
+            if len(targets) == 1:
+                parser.error(str(e))
+            report = PreflightReport(target.name, "", 0, files.name, arch.architecture, {},
+                                     error=str(e))
+        reports.append(report)
+    summaries = [target_summary(r, prices) for r in reports] if args.roofline else []
+    if args.json:
+        out: Any = ({"targets": summaries, "rows": [dataclasses.asdict(r) for rep in reports
+                                                    for r in rep.roofline]}
+                    if args.roofline else reports[0].to_json() if len(reports) == 1
+                    else [r.to_json() for r in reports])
+        print(json.dumps(out, indent=1))
+    else:
+        texts = [r.to_text() + ("\n" + roofline_text(r) if args.roofline else "") for r in reports]
+        if len(reports) > 1 and args.roofline:
+            texts.append(comparison_text(summaries))
+        print("\n\n".join(texts))
+    return 0 if all(r.ok for r in reports) else 1
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.quantization import param_tree
-from jaxserve.parallel.sharding import param_shardings
+from jaxserve.parallel.sharding import param_shardings, weight_placements
 
 
 @dataclass
@@ -100,8 +101,9 @@ def build_stages(
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
-        params = host if placed and pp == 1 else jax.device_put(
-            host, param_shardings(host, sub, opts.expert_parallel))
+        placements = weight_placements(host, param_shardings(host, sub, opts.expert_parallel))
+        params = host if placed and pp == 1 and not _relaid(placements) else jax.device_put(
+            host, placements)
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages
 
@@ -137,7 +139,7 @@ def abstract_stages(
         cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              host, param_shardings(host, sub, opts.expert_parallel))
+                              host, weight_placements(host, param_shardings(host, sub, opts.expert_parallel)))
         stages.append(Stage(i, rng, sub, model, params, first, last))
     return stages
 
@@ -161,4 +163,14 @@ def random_weights(params: Any, seed: int = 0) -> Any:
                 out.append((0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype))
         return jax.tree.unflatten(treedef, out)
 
-    return jax.jit(make, out_shardings=jax.tree.map(lambda a: a.sharding, params))()
+    return jax.jit(make, out_shardings=jax.tree.map(_placement, params))()
+
+
+def _placement(a: jax.ShapeDtypeStruct) -> Any:
+    """Where `a` is placed: its Format when it has a device-local layout, else its sharding."""
+    return a.format if a.format.layout is not None else a.sharding
+
+
+def _relaid(placements: Any) -> bool:
+    """Whether any leaf is placed in a device-local layout (sharding.weight_placements)."""
+    return any(isinstance(p, Format) for p in jax.tree.leaves(placements))

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models.arch_config import ArchConfig
@@ -128,6 +129,33 @@ def param_shardings(params: dict[str, Any], mesh: Mesh, expert_parallel: bool = 
         return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules))
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+# Weights a device's compiled programs read in another layout than the one its runtime gives
+# a parameter by default, by device_kind: {(ndim, dtype): tiling}, row-major. tpu7x reads a
+# stacked bf16 weight ([layers, ...], scanned) in (16, 128) tiles; handed (8, 128), its forward
+# copied every stack whole at each step. Its default for a 2-D bf16 parameter is column-major,
+# so the embedding was copied to row-major for the token gather at each step too
+# (docs/benchmarks.md, "The tpu7x weight copy"; scripts/tpu_weight_tiling.py). v5e and v6e
+# read the defaults; int8 stacks are not copied on any of the three.
+WEIGHT_TILINGS: dict[str, dict[tuple[int, str], tuple[tuple[int, ...], ...]]] = {
+    "TPU7x": {(2, "bfloat16"): ((8, 128), (2, 1)), (3, "bfloat16"): ((16, 128), (2, 1)),
+              (4, "bfloat16"): ((16, 128), (2, 1))},
+}
+
+
+def weight_placements(params: Any, shardings: Any) -> Any:
+    """`shardings` (param_shardings') with a device-local layout (a `Format`) for each weight
+    the devices read in another layout than their default (WEIGHT_TILINGS): for
+    `jax.device_put` at load and for the preflight's abstract params alike."""
+    def one(leaf: Any, sharding: NamedSharding) -> NamedSharding | Format:
+        tilings = WEIGHT_TILINGS.get(sharding.mesh.devices.flat[0].device_kind, {})
+        tiling = tilings.get((len(leaf.shape), np.dtype(leaf.dtype).name))
+        if tiling is None:
+            return sharding
+        return Format(Layout(major_to_minor=tuple(range(len(leaf.shape))), tiling=tiling), sharding)
+
+    return jax.tree.map(one, params, shardings)
 
 
 def kv_cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:

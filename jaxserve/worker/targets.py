@@ -16,11 +16,12 @@ import os
 import re
 from typing import Any
 
-GiB = 1 << 30
+from jaxserve.chips import CHIPS
+
 # HBM per device (a chip, or one of its TensorCores where libtpu makes each a device:
 # v4 and tpu7x). The compiler refuses programs a little under these (it keeps some back).
 TPU_GENERATIONS: dict[str, int] = {
-    "v4": 16 * GiB, "v5e": 16 * GiB, "v5p": 96 * GiB, "v6e": 32 * GiB, "tpu7x": 96 * GiB,
+    g: CHIPS[g].hbm_bytes // CHIPS[g].devices_per_chip for g in ("v4", "v5e", "v5p", "v6e", "tpu7x")
 }
 # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION: the share of a GPU its allocator takes.
 GPU_MEM_FRACTION = 0.75
@@ -38,6 +39,7 @@ class Target:
     memory_bytes: int  # what the engine may use per device (bytes_limit on a real one)
     num_chips: int  # TPU: chips in the topology; GPU: 0 (as many as the mesh needs)
     spec: str = ""  # GPU: the GpuTargetConfigProto text
+    chip: str = ""  # its row in jaxserve/chips.py ("" for a target spec file)
 
 
 def supported_targets() -> str:
@@ -55,7 +57,7 @@ def parse_target(name: str) -> Target:
             chips *= int(d)
         if chips < 1:
             raise ValueError(f"--target {name!r}: a topology needs at least one chip")
-        return Target(name, "tpu", TPU_GENERATIONS[m["gen"]], chips)
+        return Target(name, "tpu", TPU_GENERATIONS[m["gen"]], chips, chip=m["gen"])
     path = os.path.join(GPU_TARGETS_DIR, f"{name.lower()}.txtpb")
     if not os.path.exists(path) and name.endswith(".txtpb") and os.path.exists(name):
         path = name
@@ -67,7 +69,9 @@ def parse_target(name: str) -> Target:
         # What a real GPU's runtime would give the engine: JAX's allocator takes this
         # fraction of the device (device.memory_stats()["bytes_limit"] there).
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
-        return Target(name, "cuda", int(int(size.group(1)) * fraction), 0, spec)
+        stem = os.path.basename(path)[: -len(".txtpb")]
+        return Target(name, "cuda", int(int(size.group(1)) * fraction), 0, spec,
+                      chip=stem if path.startswith(GPU_TARGETS_DIR) else "")
     raise ValueError(f"unknown --target {name!r}; supported: {supported_targets()}")
 
 

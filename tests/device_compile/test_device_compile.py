@@ -92,6 +92,12 @@ def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
     assert any(not p.at_warm_up for p in report.programs) == first_use
     assert report.settings["attention_backend"] == ("tpu" if target[0] in "vt" else "gpu")
     assert report.memory.num_pages > 1 and report.compile_s["total"] > 0
+    if target.startswith(("v6e", "tpu7x")):
+        # No relayout copy of the weights (tpu7x copied every layer stack at each step, 241 MiB
+        # of temp: jaxserve/parallel/sharding.py, WEIGHT_TILINGS): a forward's temp is its
+        # activations, a sliver of the weights.
+        temp = {p.name: p.temp_bytes for p in report.programs if p.kind == "forward"}
+        assert max(temp.values()) <= 0.02 * report.memory.weight_bytes, temp
 
 
 @pytest.mark.parametrize("target,variant", [
@@ -311,3 +317,23 @@ def test_gemma3_compiles(target: str, gemma3_model: str) -> None:
     report = _preflight(target, "--model", gemma3_model, "--programs", "forward",
                         "--only-warm-up", *FIXED_CACHE)
     _assert_clean(report)
+
+
+def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
+    """`--target A B --roofline --json`: one object with `targets` and `rows`; v6e:1x1 cannot
+    hold -tp 2 (its error is its row's), h100 still gets its estimate and price."""
+    cmd = [sys.executable, "-m", "jaxserve.preflight", "--target", "v6e:1x1", "h100", "--json",
+           "--roofline", "-tp", "2", "--programs", "admit", *SMALL, *FIXED_CACHE]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    targets = {t["target"]: t for t in report["targets"]}
+    assert not targets["v6e:1x1"]["fits"] and "devices" in targets["v6e:1x1"]["error"]
+    h100 = targets["h100"]
+    assert h100["fits"] and h100["max_concurrent_seqs"] >= 1
+    assert h100["est_tokens_per_s_c1"] > 0 and h100["usd_per_m_tokens"] > 0
+    rows = [r for r in report["rows"] if r["target"] == "h100"]
+    assert {(r["program"], r["batch"], r["context"]) for r in rows} == {
+        ("decode", 1, 1024), ("decode", 2, 1024), ("prefill", 1, 512), ("prefill", 1, 2048)}
+    assert all(r["compiled_bytes"] is None and r["ideal_bytes"] > 0 for r in rows)

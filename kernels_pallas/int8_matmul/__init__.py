@@ -28,11 +28,9 @@ import jax.numpy as jnp
 from kernels_pallas.int8_matmul import cpu
 from kernels_pallas.int8_matmul.reference import dequantize, int8_matmul_reference
 
-# Measured on 2 cores with the default model, offline decode of N sequences (out tok/s,
-# kernel vs XLA): N=4 153.5 vs 98.1, 16: 205.7 vs 180.6, 32: 224.6 vs 203.9, but 64: 212.3
-# vs 257.6 (the matmuls alone, scripts/bench_int8_matmul.py, still favour the kernel at 64;
-# the whole step does not). Beyond, XLA's float matmul on the dequantized temporary has
-# amortised the conversion over enough tokens.
+# Up to this many tokens a step the CPU kernel beats XLA's matmul on the dequantized weights
+# in the whole decode step; beyond, XLA has amortised the conversion (docs/benchmarks.md,
+# "Figures the code's comments used to hold").
 CPU_KERNEL_MAX_TOKENS = 32
 
 __all__ = ["CPU_KERNEL_MAX_TOKENS", "cpu_kernel_applies", "dequantize", "int8_matmul",

@@ -147,7 +147,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = engine_arg_parser("python -m jaxserve.preflight", __doc__.splitlines()[0])
     g = p.add_argument_group("preflight")
     g.add_argument("--target", required=True, nargs="+",
-                   help=f"the device(s) to compile for, one after another: {supported_targets()}")
+                   help=f"the device(s) to compile for, one after another (give MODEL before "
+                        f"--target, or as --model): {supported_targets()}")
     g.add_argument("--roofline", action="store_true",
                    help="estimate each target's speed: the ideal decode and prefill steps at the "
                         "chip's HBM bandwidth and peak (an upper bound; jaxserve/roofline.py), "

@@ -72,7 +72,10 @@ WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs
 
 @pytest.mark.parametrize("target,flags", [
     ("v6e:1x1", []), ("v5e:1x1", [*SPEC, *WARM_UP, "--programs", "forward,verify,admit"]),
-    ("tpu7x:1x1", [*WARM_UP, "--programs", "forward,admit"]),
+    # A fixed cache on tpu7x: its forward's temp grows with the cache (80 B a page, 16 MB at
+    # the 188,192 pages 96 GiB holds here; docs/benchmarks.md), which is not the weight copy
+    # the temp bound below guards against.
+    ("tpu7x:1x1", [*WARM_UP, "--programs", "forward,admit", *FIXED_CACHE]),
     ("v5e:2x2", ["-tp", "4", *WARM_UP]), ("h200", SPEC), ("h100", WARM_UP),
     ("h100", ["-tp", "2", *WARM_UP]),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(a for a in v if a.startswith("-")) or "all")

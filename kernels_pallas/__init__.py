@@ -32,7 +32,7 @@ from kernels_pallas.kv_cache import (
     update_kv_cache as _xla_kv_write,
 )
 from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
-from kernels_pallas import ragged_paged_attention as _variants  # registers every variant
+from kernels_pallas import ragged_paged_attention as _variants  # noqa: F401 - registers every variant
 
 __all__ = [
     "FP8_KV_CACHE_DTYPES",

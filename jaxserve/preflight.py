@@ -176,7 +176,6 @@ def validate(args: argparse.Namespace) -> tuple[list[Target], Any, ModelFiles, A
         if path and os.path.basename(path) == "config.json":
             setattr(args, name, os.path.dirname(os.path.abspath(path)))
     targets = [parse_target(t) for t in args.target]
-    parse_prices(args.price)
     config = engine_config_from_args(args)
     files = resolve_model(config.model_config.model)
     from jaxserve.models.loaders import read_arch  # HF: config.json only, no JAX
@@ -223,14 +222,11 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
             "block_size": cc.block_size})
-    def estimate(temp_by_bucket: dict[int, int] | None = None) -> None:
-        if roofline:
-            try:
-                report.roofline = _roofline_rows(target, worker, config, temp_by_bucket)
-            except ValueError as e:  # a chip the table lacks: the other figures stand
-                report.roofline_error = str(e)
-
-    estimate()  # before anything can fail to fit: the estimate stands either way
+    if roofline:  # before anything can fail to fit: the estimate stands either way
+        try:
+            report.roofline = _roofline_rows(target, worker, config)
+        except ValueError as e:  # a chip the table lacks: the other figures stand
+            report.roofline_error = str(e)
     options = GPU_COMPILER_OPTIONS if target.platform == "cuda" else None
     # NOTE: TPU programs compile one at a time: libtpu 0.0.42.1's SparseCore code generator
     # (v6e, tpu7x) overflowed its fibers' stacks with two compiles at once (never alone).
@@ -261,16 +257,16 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     failed = [p.name for p in report.programs if not p.ok]
     if failed:
         report.error = f"{len(failed)} program(s) failed: {', '.join(failed[:5])}"
-    temps: dict[int, int] = {}
+    temps: dict[int, int] = {}  # each bucket's forward temp, beside its roofline rows
     for program, r in zip(programs, report.programs):
         if program.kind == "forward" and program.at_warm_up and r.ok:
             temps[program.bucket] = max(temps.get(program.bucket, 0), r.temp_bytes)
-    estimate(temps)
+    report.roofline = [dataclasses.replace(r, temp_bytes=temps.get(r.bucket))
+                       for r in report.roofline]
     return report
 
 
-def _roofline_rows(target: Target, worker: Any, config: Any,
-                   temp_by_bucket: dict[int, int] | None) -> list[Row]:
+def _roofline_rows(target: Target, worker: Any, config: Any) -> list[Row]:
     """--roofline's steps for `target` with the resolved weights and KV cache."""
     import numpy as np
 
@@ -289,8 +285,7 @@ def _roofline_rows(target: Target, worker: Any, config: Any,
     return roofline.rows(
         target.name, chip(target.chip), worker.arch, pc.tensor_parallel_size,
         "int8" if fmt is WeightFormat.INT8 else "bf16", weight_width, kv_width, act,
-        sc.max_num_seqs, worker.max_model_len, token_buckets(sc.max_num_batched_tokens),
-        temp_by_bucket)
+        sc.max_num_seqs, worker.max_model_len, token_buckets(sc.max_num_batched_tokens))
 
 
 def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
@@ -306,18 +301,18 @@ def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
     return tuple(ProgramKind(k) for k in value.split(","))
 
 
-def target_summary(report: PreflightReport, prices: dict[str, float]) -> dict[str, Any]:
+def target_summary(report: PreflightReport, target: Target, prices: dict[str, float]
+                   ) -> dict[str, Any]:
     """One target's line of the comparison (JSON: `targets` under --roofline)."""
     from jaxserve.roofline import estimate, usd_per_million_tokens
 
     m = report.memory
     c1, c64 = estimate(report.roofline, 1), estimate(report.roofline, 64)
     usd = None
-    name = parse_target(report.target).chip if report.roofline else ""
-    if c64 is not None and name:
-        c = chip(name)
+    if c64 is not None:  # rows exist: the target names a chip of the table
+        c = chip(target.chip)
         devices = report.settings["tensor_parallel_size"] * report.settings["pipeline_parallel_size"]
-        usd = usd_per_million_tokens(prices.get(name, c.usd_per_hour), devices, c, c64)
+        usd = usd_per_million_tokens(prices.get(c.name, c.usd_per_hour), devices, c, c64)
     return {"target": report.target, "fits": report.ok, "error": report.error,
             "roofline_error": report.roofline_error,
             "memory": report.to_json()["memory"],
@@ -385,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             report = PreflightReport(target.name, "", 0, files.name, arch.architecture, {},
                                      error=str(e))
         reports.append(report)
-    summaries = [target_summary(r, prices) for r in reports] if args.roofline else []
+    summaries = [target_summary(r, t, prices) for r, t in zip(reports, targets)] if args.roofline else []
     if args.json:
         out: Any = ({"targets": summaries, "rows": [dataclasses.asdict(r) for rep in reports
                                                     for r in rep.roofline]}

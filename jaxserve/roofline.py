@@ -158,7 +158,7 @@ class Row:
     # body once, and the Pallas kernels carry no cost estimate); None, never 0.
     compiled_bytes: float | None = None
     compiled_flops: float | None = None
-    temp_bytes: int | None = None  # the forward program's temp at that bucket, when compiled
+    temp_bytes: int | None = None  # the forward program's temp at that bucket (the preflight's)
 
 
 def steps(max_num_seqs: int, max_model_len: int) -> list[Step]:
@@ -172,8 +172,7 @@ def steps(max_num_seqs: int, max_model_len: int) -> list[Step]:
 
 def rows(target: str, chip: Chip, arch: ArchConfig, devices: int, weights: str,
          weight_bytes_per_param: float, kv_bytes_per_value: float, act_bytes: float,
-         max_num_seqs: int, max_model_len: int, buckets: tuple[int, ...],
-         temp_by_bucket: dict[int, int] | None = None) -> list[Row]:
+         max_num_seqs: int, max_model_len: int, buckets: tuple[int, ...]) -> list[Row]:
     """The --roofline rows of one target (ValueError naming the table for a chip it lacks)."""
     out = []
     for step in steps(max_num_seqs, max_model_len):
@@ -183,8 +182,7 @@ def rows(target: str, chip: Chip, arch: ArchConfig, devices: int, weights: str,
         out.append(Row(
             target, step.kind, step.batch, step.context, bucket, ideal.bytes, ideal.flops,
             r.seconds, r.bound, r.tokens_per_s, r.attention_share,
-            0.0 if bucket is None else 1 - step.tokens / bucket,
-            temp_bytes=(temp_by_bucket or {}).get(bucket) if bucket else None))
+            0.0 if bucket is None else 1 - step.tokens / bucket))
     return out
 
 

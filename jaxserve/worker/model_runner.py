@@ -400,10 +400,9 @@ class ModelRunner:
     def _warm_up_sampler(self, R: int, mode: SamplerMode, verify: bool, inp: StepInputs,
                          hidden: Any) -> None:
         """Compile one sampler program on no rows, then time a warm run of it."""
-        empty = np.zeros(0, np.int32)
-        no_rows = (empty, np.zeros(0, bool), empty)
-        md, _ = (verify_inputs(self.batch, inp, *no_rows[:2], empty, [], R) if verify
-                 else sampling_inputs(self.batch, *no_rows, R))
+        empty, no_mask = np.zeros(0, np.int32), np.zeros(0, bool)
+        md, _ = (verify_inputs(self.batch, inp, empty, no_mask, empty, [], R) if verify
+                 else sampling_inputs(self.batch, empty, no_mask, empty, R))
         for timed in (False, True):
             jax.block_until_ready(hidden)
             t = time.perf_counter()
@@ -424,10 +423,9 @@ class ModelRunner:
         compiles while serving: each forward token bucket (all its stages in one pass), each
         (request bucket, sampler mode) and the admission.
 
-        Runs each on empty inputs (no sequences: attention loops zero times, writes land in
-        the null page, samples land on dropped slots). A real call, not `lower().compile()`:
-        only a call fills jit's dispatch cache. Returns the seconds spent.
-        """
+        Runs each on empty inputs (no sequences: attention loops zero times, writes land in the
+        null page, samples on dropped slots): only a call, not `lower().compile()`, fills jit's
+        dispatch cache. Returns the seconds spent."""
         t0 = time.perf_counter()
         programs = self.programs(on_first_use=False)
         empty = np.zeros(0, np.int32)

@@ -87,6 +87,19 @@ def chip(name: str) -> Chip:
     return CHIPS[name]
 
 
+# JAX's device_kind of each TPU generation (GPUs are named in theirs: "NVIDIA H200").
+_TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+              "TPU v6 lite": "v6e", "TPU7x": "tpu7x"}
+
+
+def chip_for_device(device_kind: str) -> Chip | None:
+    """The table's chip a JAX device is ("NVIDIA H200" -> h200), or None."""
+    if device_kind in _TPU_KINDS:
+        return CHIPS[_TPU_KINDS[device_kind]]
+    words = device_kind.lower().split()
+    return next((c for name, c in CHIPS.items() if name in words), None)
+
+
 def parse_prices(values: list[str] | None) -> dict[str, float]:
     """--price CHIP=USD ... (ValueError naming the flag)."""
     out: dict[str, float] = {}

@@ -7,11 +7,17 @@
 1. Kernels on the device, not interpreted: the platform's attention kernel (gpu or tpu) and its
    KV write against the jax.numpy reference over NaN-poisoned ragged batches (bf16 and fp8
    caches, GQA groups 1/4/8, head dims 64/128, pages of 16/32, sliding window, soft cap).
-2. The kernel benchmark (scripts/bench_kernels.py): % of HBM bandwidth, and JAX's own paged
+2. The engine on random Llama-3-8B-shaped weights (--load-format dummy, a config.json alone):
+   start-up (KV-cache sizing from the compiler), one request (TTFT and TPOT at a 512-token
+   prompt), 64 at once (output tokens/s), then decode steps at batch 1, 16 and 64 with 1k of
+   context and 16 with 8k, each timed beside its roofline (jaxserve/roofline.py) on the chip
+   jaxserve/chips.py names for the device: the measured fraction of the upper bound.
+3. The kernel benchmark (scripts/bench_kernels.py): % of HBM bandwidth, and JAX's own paged
    attention beside ours where JAX has one.
-3. The engine on random Llama-3-8B-shaped weights (--load-format dummy, a config.json alone):
-   start-up (KV-cache sizing from the compiler, warm-up compile), then one request (TTFT and
-   TPOT at a 512-token prompt) and 64 at once (output tokens/s).
+
+Each stage reports as it ends and a failing stage keeps the others' results. A machine with
+no package registry: `bash scripts/device_wheels.sh` here, carry .whl/ (device_check.sh
+installs it). One run took about two minutes on an H200 (docs/benchmarks.md).
 
 The device compiles (Mosaic, Triton, ptxas, memory) are checked without a device in CI
 (tests/device_compile); this covers what a compiler cannot: numerics on the chip, races, speed.
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+        except Exception:  # noqa: BLE001 - reported in the table, the run goes on
             import traceback
             failed.append(name)
             emit(["", f"## {name}: FAILED", "", "```", traceback.format_exc()[-3000:], "```"])

@@ -2,8 +2,9 @@
 step far from its roofline): a profiler trace of the engine's decode steps on random
 Llama-3-8B-shaped weights, and the layer scan alone at those shapes (scanned and unrolled).
 
-    python scripts/device_trace.py          # on the device; $OUT/trace.xplane.pb comes back
-    python scripts/profile_step.py --xplane FILE   # here: read the trace (xprof)
+    python scripts/device_trace.py          # on the device; $OUT/trace0.xplane.pb comes back
+    python scripts/device_trace.py --read FILE   # here: each program on the GPU's timeline,
+                                                 # the gaps, a forward's busy kernels (xprof)
 """
 
 from __future__ import annotations
@@ -52,7 +53,42 @@ def layer_scan(rows: int, scanned: bool, L: int, H: int, I: int,
     return (time.perf_counter() - t) / 10
 
 
+def read(xplane: str) -> None:
+    """The GPU timeline of a trace: each XLA program's time and the idle gap before it, then
+    the kernels that ran during the second-last forward (`pip install xprof` to read)."""
+    import collections
+    import json
+
+    from xprof.convert import raw_to_tool_data
+
+    data, _ = raw_to_tool_data.xspace_to_tool_data([xplane], "trace_viewer", {})
+    events = json.loads(data)["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = next(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "GPU" in e["args"]["name"])
+    line = lambda word: next(t for (p, t), n in names.items() if p == gpu and word in n)  # noqa: E731
+    spans = lambda tid: sorted((e for e in events if e.get("ph") == "X" and e["pid"] == gpu  # noqa: E731
+                                and e.get("tid") == tid), key=lambda e: e["ts"])
+    modules, end = spans(line("XLA Modules")), None
+    for e in modules:
+        gap = f"{(e['ts'] - end) / 1e3:8.3f}" if end is not None else "       -"
+        print(f"{e['dur'] / 1e3:8.3f} ms after a gap of {gap} ms  {e['name']}")
+        end = e["ts"] + e["dur"]
+    forward = [e for e in modules if e["name"].startswith("jit_stage_fn")][-2]
+    kernels: collections.Counter[str] = collections.Counter()
+    for e in spans(line("Compute")):
+        if forward["ts"] <= e["ts"] <= forward["ts"] + forward["dur"]:
+            kernels[e["name"][:70]] += e.get("dur", 0)
+    print(f"one forward: {forward['dur'] / 1e3:.3f} ms, kernels busy "
+          f"{sum(kernels.values()) / 1e3:.3f} ms")
+    for name, us in kernels.most_common(12):
+        print(f"  {us / 1e3:7.3f} ms  {name}")
+
+
 def main() -> None:
+    if "--read" in sys.argv:
+        return read(sys.argv[sys.argv.index("--read") + 1])
     from jaxserve import LLM
 
     smoke = "--smoke" in sys.argv  # tiny shapes, to test the script off-device
@@ -60,14 +96,13 @@ def main() -> None:
     shape = (arch["num_hidden_layers"], arch["hidden_size"], arch["intermediate_size"])
     out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
     weight_bytes = 3 * np.prod(shape) * 2
-    from jaxserve.parallel.sharding import STAGE_COMPILER_OPTIONS
-
+    # XLA's other way out of the loop's weight copy: cuBLAS GEMMs reading the slice in place
+    # (jax 0.10.2 fails to compile the engine's forward with it; docs/benchmarks.md).
+    cublas = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
     variants = [("scan", True, None), ("unrolled", False, None)]
-    platform = jax.devices()[0].platform
-    if platform in STAGE_COMPILER_OPTIONS:
-        opts = STAGE_COMPILER_OPTIONS[platform]
-        variants += [("scan, the forward's options", True, opts),
-                     ("unrolled, the forward's options", False, opts)]
+    if jax.devices()[0].platform == "gpu":
+        variants += [("scan, cuBLAS in slice fusions", True, cublas),
+                     ("unrolled, same options", False, cublas)]
     for rows in () if "--trace-only" in sys.argv else (1, 16, 64):
         for name, scanned, opts in variants:
             s = layer_scan(rows, scanned, *shape, options=opts)

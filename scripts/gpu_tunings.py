@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-import kernels_pallas  # noqa: E402
+import kernels_pallas  # noqa: E402, F401  (registers the backends)
 from kernels_pallas.ragged_paged_attention import gpu  # noqa: E402
 from jaxserve.worker.targets import make_devices, parse_target  # noqa: E402
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from jaxserve import roofline
-from jaxserve.chips import CHIPS, chip, parse_prices
+from jaxserve.chips import CHIPS, chip, chip_for_device, parse_prices
 from jaxserve.models.arch_config import ArchConfig
 
 # 2 layers, hidden 8, 2 query heads and 1 KV head of 4, MLP 16, vocabulary 100.
@@ -82,3 +82,12 @@ def test_every_priced_chip_has_its_figures_and_sources() -> None:
         assert c.source
         if c.usd_per_hour is not None:
             assert c.hbm_bytes_per_s and c.bf16_flops, c.name
+
+
+def test_a_devices_kind_names_its_chip() -> None:
+    """The device check reads the chip from JAX's device_kind (no chip: no roofline)."""
+    assert chip_for_device("NVIDIA H200") is CHIPS["h200"]
+    assert chip_for_device("NVIDIA H100 80GB HBM3") is CHIPS["h100"]
+    assert chip_for_device("TPU v6 lite") is CHIPS["v6e"]
+    assert chip_for_device("TPU7x") is CHIPS["tpu7x"]
+    assert chip_for_device("cpu") is None and chip_for_device("NVIDIA A100-SXM4-80GB") is None

@@ -158,21 +158,6 @@ def weight_placements(params: Any, shardings: Any) -> Any:
     return jax.tree.map(one, params, shardings)
 
 
-# XLA options for the forward (the scan over the stacked layers), by platform. On CUDA, XLA's
-# Triton GEMMs cannot read a layer's slice of a stack in place: the scan copied each layer's
-# weights into a buffer before its matmuls, every step (three passes over the weights; an
-# H200 streamed the MLP stacks at 1.3 TB/s, 4.0 unrolled). cuBLAS GEMMs inside a dynamic-slice
-# fusion read the slice where it lies (docs/benchmarks.md, "The H200 weight copy").
-STAGE_COMPILER_OPTIONS: dict[str, dict[str, bool]] = {
-    "gpu": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True},
-}
-
-
-def stage_compiler_options(mesh: Mesh) -> dict[str, bool] | None:
-    """The forward's XLA options on `mesh`'s platform (STAGE_COMPILER_OPTIONS), or None."""
-    return STAGE_COMPILER_OPTIONS.get(mesh.devices.flat[0].platform)
-
-
 def kv_cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, shape, mesh))
 

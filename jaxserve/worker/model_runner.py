@@ -41,7 +41,6 @@ from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.quantization import model_variables
 from jaxserve.parallel.pipeline import Stage
-from jaxserve.parallel.sharding import stage_compiler_options
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
@@ -130,8 +129,7 @@ class ModelRunner:
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
         # The compiled programs (public: worker/programs.py lists them for the warm-up, the
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
-        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,),
-                                     compiler_options=stage_compiler_options(last.mesh))
+        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
         self.pooler = Pooler(S)  # embedding requests (worker/pooler.py)
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)

@@ -22,7 +22,12 @@ def test_kernel_checks_pass_interpreted(backend: str) -> None:
     assert all(r["attention_ok"] and r["kv_write_ok"] for r in rows), rows
 
 
-def test_engine_check_serves_dummy_weights() -> None:
-    result = device_check.check_engine(device_check.TINY, smoke=True)
+def test_engine_check_serves_dummy_weights_and_times_decode_steps() -> None:
+    result, steps = device_check.check_engine(device_check.TINY, smoke=True)
     assert result["batch"] == 8 and result["batch_out_tokens_per_s"] > 0
     assert result["ttft_ms"] > 0 and result["tpot_ms"] > 0
+    # Each decode case timed over a full batch, beside its ideal bytes (no chip on a CPU: no
+    # roofline column, not a zero).
+    assert [(s["batch"], s["context"]) for s in steps] == [(1, 64), (4, 64)]
+    assert all(s["step_ms"] > 0 and s["ideal_mb"] > 0 and "roofline_ms" not in s for s in steps)
+    assert steps[1]["ideal_mb"] > steps[0]["ideal_mb"]  # four sequences' KV over one's

@@ -51,8 +51,9 @@ class ModelOptions:
         """Unroll the scan over layers on GPU. In XLA's CUDA loop each layer's slice of a weight
         stack was copied before its GEMMs (three passes over the weights), and the loop's
         iterations were driven from the host (the GPU idled between layers); unrolled, an H200's
-        decode step took less than half the time, for about 4x the compile time (docs/benchmarks.md, "The H200
-        decode step"). TPU and CPU keep the loop: it reads the stacks in place there."""
+        decode step took less than half the time, for about 4x the compile time
+        (docs/benchmarks.md, "The H200 decode step"). TPU and CPU keep the loop: it reads the
+        stacks in place there."""
         return self.platform == "gpu"
 
     @property

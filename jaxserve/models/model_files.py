@@ -76,9 +76,8 @@ def resolve_model(model: str | None) -> ModelFiles:
 
 
 def open_gguf(path: str) -> Any:
-    """The file's `gguf.GGUFReader`, parsed once per process: parsing a GGUF's metadata (its
-    vocabulary, element by element) costs seconds, and the architecture, the weights, the EOS
-    ids and the tokenizer are all read from it. A rewritten file (new mtime or size) is
+    """The file's `gguf.GGUFReader` (models/gguf_reader.py's faster parse), parsed once per
+    process: the architecture, the weights, the EOS ids and the tokenizer are all read from it. A rewritten file (new mtime or size) is
     parsed again."""
     st = os.stat(path)
     return _open_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
@@ -86,9 +85,10 @@ def open_gguf(path: str) -> Any:
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, mtime_ns: int, size: int) -> Any:
-    import gguf  # JAX-free; imported here so the API server pays for it only with GGUFs
+    # JAX-free; imported here so the API server pays for it only with GGUFs
+    from jaxserve.models.gguf_reader import GGUFReader
 
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def release_gguf_readers() -> None:

@@ -85,25 +85,6 @@ def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool, tmp_path) 
     assert process_gone(server.engine_pid())
 
 
-def test_clean_stop_removes_ipc_files(tmp_path) -> None:
-    # Also the server with tracing off: it serves, and /debug has nothing to show.
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--no-request-tracing"],
-                      env={"TMPDIR": str(tmp_path)}) as server:
-        assert ipc_files(str(tmp_path))
-        r = server.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
-                                               max_tokens=3)
-        assert r.choices[0].text
-        assert httpx.get(server.url("/debug/requests"), timeout=10).json() == {"running": [], "finished": []}
-        assert httpx.get(server.url(f"/debug/requests/{r.id}"), timeout=10).status_code == 404
-        stats = httpx.get(server.url("/debug/stats"), timeout=10).json()
-        assert stats["tracing"] is False and stats["live"]["num_steps"] == 0
-        assert httpx.get(server.url("/debug"), timeout=10).status_code == 200
-    # `with` ended it with SIGTERM: a clean exit through the same cleanup as Ctrl-C.
-    assert server.proc.returncode == 0, server.read_log()[-3000:]
-    assert not ipc_files(str(tmp_path))
-    assert process_gone(server.engine_pid())
-
-
 def test_engine_startup_failure_exits_non_zero(tmp_path) -> None:
     # 100,000 tokens exceeds the model's context: the engine core refuses to start.
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
@@ -150,10 +131,21 @@ def test_bad_arguments_exit_before_starting_anything() -> None:
 
 def test_ctrl_c_ends_streams_cleanly_and_logs_stats(tmp_path) -> None:
     """SIGINT (Ctrl-C) with a stream in flight: the stream gets an error then [DONE], the
-    server exits 0 without a traceback. While it runs, the periodic stats line is logged."""
-    server = RemoteServer(SMALL_ENGINE_ARGS, env={"JAXSERVE_LOG_STATS_INTERVAL": "0.5",
-                                                  "TMPDIR": str(tmp_path)})
+    server exits 0 without a traceback and removes its IPC files. While it runs, the periodic
+    stats line is logged. The server runs with tracing off: it serves, and /debug has nothing
+    to show. (SIGTERM while serving: test_server.py's module server.)"""
+    server = RemoteServer([*SMALL_ENGINE_ARGS, "--no-request-tracing"],
+                          env={"JAXSERVE_LOG_STATS_INTERVAL": "0.5", "TMPDIR": str(tmp_path)})
     try:
+        assert ipc_files(str(tmp_path))
+        r = server.client().completions.create(model="SmolLM2-135M-Instruct", prompt="Hi",
+                                               max_tokens=3)
+        assert r.choices[0].text
+        assert httpx.get(server.url("/debug/requests"), timeout=10).json() == {"running": [], "finished": []}
+        assert httpx.get(server.url(f"/debug/requests/{r.id}"), timeout=10).status_code == 404
+        stats = httpx.get(server.url("/debug/stats"), timeout=10).json()
+        assert stats["tracing"] is False and stats["live"]["num_steps"] == 0
+        assert httpx.get(server.url("/debug"), timeout=10).status_code == 200
         with httpx.stream("POST", server.url("/v1/completions"), json={**LONG, "stream": True},
                           timeout=60) as r:
             lines = r.iter_lines()

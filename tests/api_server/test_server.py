@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, wait_idle
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, ipc_files, process_gone, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +30,16 @@ HI = [{"role": "user", "content": "Hi!"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RemoteServer(SMALL_ENGINE_ARGS) as s:
+def server(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ipc"))
+    with RemoteServer(SMALL_ENGINE_ARGS, env={"TMPDIR": tmp}) as s:
+        assert ipc_files(tmp)
         yield s
+    # `with` ended it with SIGTERM (docker stop): a clean exit through the same cleanup as
+    # Ctrl-C (test_engine_death.py), its IPC files gone.
+    assert s.proc.returncode == 0, s.read_log()[-3000:]
+    assert not ipc_files(tmp)
+    assert process_gone(s.engine_pid())
 
 
 @pytest.fixture(scope="module")

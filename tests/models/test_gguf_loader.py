@@ -213,3 +213,39 @@ def test_gguf_read_as_int8_tensor_by_tensor(qtype: Q, tmp_path) -> None:
     assert jax.tree.structure(direct) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _same_fields(a: gguf.GGUFReader, b: gguf.GGUFReader) -> None:
+    assert list(a.fields) == list(b.fields)
+    for key, fa in a.fields.items():
+        fb = b.fields[key]
+        assert (fa.offset, fa.data, fa.types) == (fb.offset, fb.data, fb.types), key
+        assert [(p.dtype, p.shape, p.tobytes()) for p in fa.parts] == [
+            (p.dtype, p.shape, p.tobytes()) for p in fb.parts], key
+        assert fa.contents() == fb.contents(), key
+    assert [(t.name, t.data_offset) for t in a.tensors] == [(t.name, t.data_offset) for t in b.tensors]
+
+
+def test_fast_reader_parses_what_the_package_parses(tmp_path) -> None:
+    """models/gguf_reader.py builds the package's parts (every array kind, empty and nested
+    ones), for a written file and for the default model's own."""
+    from jaxserve.models.gguf_reader import GGUFReader
+    from jaxserve.models.model_files import default_model_path
+
+    path = str(tmp_path / "kinds.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("t.strings", ["a", "", "héllo", "x" * 300])
+    w.add_array("t.empty", [])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.bools", [True, False])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.s", "one")
+    w.add_uint32("t.u", 7)
+    w.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, default_model_path()):
+        _same_fields(GGUFReader(p), gguf.GGUFReader(p))

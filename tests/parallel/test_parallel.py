@@ -36,7 +36,10 @@ def run_configs(model: str, configs: list[tuple[int, int]]) -> dict:
 
 @pytest.mark.slow
 def test_default_model_same_tokens_under_tp_pp_and_both() -> None:
-    configs = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (2, 2), (1, 1, "int8"), (2, 2, "int8")]
+    # TP 2 pads the 9 q / 3 kv heads, TP 3 splits them evenly; PP 3 leaves a stage without the
+    # embedding or the norm; 2 x 2 is both. TP 4 and 8's head layouts keep the logits in
+    # test_head_padding_and_replication_keep_logits (an engine each here cost CI 20 s).
+    configs = [(1, 1), (2, 1), (3, 1), (1, 3), (2, 2), (1, 1, "int8"), (2, 2, "int8")]
     res = run_configs("default", configs)
     base = res["1x1"]["tokens"]
     for key, r in res.items():
@@ -61,7 +64,7 @@ def test_default_model_same_tokens_under_tp_pp_and_both() -> None:
     # step's tokens (the order of host events, not timings: nothing here depends on load).
     # When each stage finished on the devices is printed, not asserted: on a loaded 2-core
     # machine XLA's CPU runtime may run the stages one after the other anyway.
-    for key in ("1x2", "1x3", "2x2"):
+    for key in ("1x3", "2x2"):
         print(f"TP x PP {key}: stage completions\n{res[key]['timeline']}")
         print(f"TP x PP {key}: overlapped steps {res[key]['overlapped_steps']}")
         assert len(res[key]["dispatched_ahead"]) >= 4, (key, res[key]["dispatched_ahead"])

@@ -51,6 +51,10 @@ class ProgramResult:
     argument_bytes: int = 0
     alias_bytes: int = 0
     error: str | None = None  # a compile error, or why the program is not device-clean
+    # XLA's cost analysis of the program as compiled (per device; None: not costed). A scan
+    # over layers counts its body once: --roofline's rows cost an unrolled copy.
+    flops: float | None = None
+    bytes_accessed: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -201,7 +205,7 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     import jax
 
     from jaxserve.engine.resolve import resolve_engine_config
-    from jaxserve.worker.programs import compile_programs
+    from jaxserve.worker.programs import ProgramKind, compile_programs
     from jaxserve.worker.targets import make_devices
     from jaxserve.worker.worker import Worker
 
@@ -253,7 +257,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             problems.append(f"needs {fmt_bytes(need)} of the device's {fmt_bytes(m.memory_bytes)}")
         report.programs.append(ProgramResult(
             c.name, c.kind, c.at_warm_up, c.compile_s, c.temp_bytes, c.activation_bytes,
-            c.argument_bytes, c.alias_bytes, "; ".join(problems) or None))
+            c.argument_bytes, c.alias_bytes, "; ".join(problems) or None, c.flops,
+            c.bytes_accessed))
     failed = [p.name for p in report.programs if not p.ok]
     if failed:
         report.error = f"{len(failed)} program(s) failed: {', '.join(failed[:5])}"
@@ -263,6 +268,12 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             temps[program.bucket] = max(temps.get(program.bucket, 0), r.temp_bytes)
     report.roofline = [dataclasses.replace(r, temp_bytes=temps.get(r.bucket))
                        for r in report.roofline]
+    # Compiled costs need the forward and the greedy sampler (--programs may leave them out).
+    if report.roofline and (kinds is None or {ProgramKind.FORWARD, ProgramKind.SAMPLE} <= set(kinds)):
+        from jaxserve.worker.program_cost import costed_rows
+
+        report.roofline = costed_rows(report.roofline, worker, report.memory.num_pages,
+                                      programs, report.programs, options, threads)
     return report
 
 
@@ -324,15 +335,22 @@ def roofline_text(report: PreflightReport) -> str:
     if report.roofline_error:
         return f"roofline: {report.roofline_error}"
     lines = ["roofline: the ideal step at the chip's HBM bandwidth and matmul peak, an upper "
-             "bound (jaxserve/roofline.py; compiled bytes against it: not measured yet)",
+             "bound (jaxserve/roofline.py); compiled: what the compiled programs read and "
+             "compute for the same step, against the ideal (jaxserve/worker/program_cost.py)",
              f"  {'step':<8} {'batch':>5} {'context':>7} {'bucket':>6} {'pad':>4} "
-             f"{'ideal MB':>9} {'GFLOP':>8} {'ms':>8} {'bound':>7} {'attn':>5} {'est tok/s':>10}"]
+             f"{'ideal MB':>9} {'GFLOP':>8} {'ms':>8} {'bound':>7} {'attn':>5} {'est tok/s':>10} "
+             f"{'compiled/ideal B':>16} {'flops':>6}"]
+
+    def ratio(compiled: float | None, ideal: float) -> str:
+        return "-" if compiled is None else f"{compiled / ideal:.2f}"
+
     for r in report.roofline:
         lines.append(
             f"  {r.program:<8} {r.batch:>5} {r.context:>7} {r.bucket or '-':>6} "
             f"{r.padding_share:>4.0%} {r.ideal_bytes / 1e6:>9.1f} {r.ideal_flops / 1e9:>8.1f} "
             f"{r.roofline_s * 1e3:>8.3f} {r.bound:>7} {r.attention_share:>5.0%} "
-            f"{r.est_tokens_per_s:>10,.0f}")
+            f"{r.est_tokens_per_s:>10,.0f} {ratio(r.compiled_bytes, r.ideal_bytes):>16} "
+            f"{ratio(r.compiled_flops, r.ideal_flops):>6}")
     return "\n".join(lines)
 
 

@@ -154,10 +154,13 @@ class Row:
     est_tokens_per_s: float
     attention_share: float
     padding_share: float  # of the bucket's tokens, the padding's
-    # What the compiler says of the same step: not measured yet (XLA counts the layer loop's
-    # body once, and the Pallas kernels carry no cost estimate); None, never 0.
+    # What the compiler says of the same step (jaxserve/worker/program_cost.py); None where a
+    # program is not costed, never 0.
     compiled_bytes: float | None = None
     compiled_flops: float | None = None
+    # (flops, bytes) of each part: "forward" (XLA's ops), "attention" (the kernel's plan),
+    # "sampler"; None when not costed.
+    compiled_parts: dict[str, tuple[float, float]] | None = None
     temp_bytes: int | None = None  # the forward program's temp at that bucket (the preflight's)
 
 

@@ -56,6 +56,9 @@ class Backend:
     # Its native cache is the packed (TPU) layout and it takes `layout=`; otherwise the
     # standard one. The dispatcher converts a cache of the other layout (tests, research).
     packed_layout: bool = False
+    # (cache bytes read, flops) of one layer of a step, from the kernel's own block plan:
+    # `step_cost(layout, num_q_heads, page_size, q_lens, kv_lens)` (preflight --roofline).
+    step_cost: Callable[..., tuple[int, int]] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -76,6 +79,7 @@ def register_backend(
     test_tuning: tuple[dict[str, Any], ...] = ({},),
     reads_kv_bits: bool = False,
     packed_layout: bool = False,
+    step_cost: Callable[..., tuple[int, int]] | None = None,
 ) -> Backend:
     """Register attention variant `name` (and its KV write; default: the XLA scatter)."""
     if name in _BACKENDS and _BACKENDS[name].attention is not fn:
@@ -88,7 +92,7 @@ def register_backend(
             return xla_write(kv_pages, rows, slot_mapping)
 
     backend = Backend(name, fn, update_kv_cache, tuple(platforms), interpretable, description,
-                      tuple(test_tuning), plan, reads_kv_bits, packed_layout)
+                      tuple(test_tuning), plan, reads_kv_bits, packed_layout, step_cost)
     _BACKENDS[name] = backend
     return backend
 

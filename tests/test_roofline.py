@@ -91,3 +91,30 @@ def test_a_devices_kind_names_its_chip() -> None:
     assert chip_for_device("TPU v6 lite") is CHIPS["v6e"]
     assert chip_for_device("TPU7x") is CHIPS["tpu7x"]
     assert chip_for_device("cpu") is None and chip_for_device("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_compiled_cost_of_a_hand_counted_program_and_a_scan_counted_once() -> None:
+    """`cost_analysis` of six float32 matmul layers on the CPU equals the hand count (each
+    weight read once; x read and written by the dot and the tanh), and a scan over the same
+    layers is counted as one layer: why --roofline costs an unrolled copy of a scanned
+    forward (jaxserve/worker/program_cost.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.worker.programs import cost_analysis
+
+    L, D, T = 6, 256, 8
+    x, w = jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((D, D), jnp.float32)
+
+    def layers(x, *ws):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+
+    flops, nbytes = cost_analysis(jax.jit(layers).trace(x, *[w] * L).lower().compile())
+    assert flops == 2 * T * D * D * L
+    assert nbytes == L * D * D * 4 + L * 4 * T * D * 4
+    stack = jax.ShapeDtypeStruct((L, D, D), jnp.float32)
+    scanned = jax.jit(lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])
+    flops, _ = cost_analysis(scanned.trace(x, stack).lower().compile())
+    assert 0 <= flops - 2 * T * D * D < 8  # one layer (and the loop counter's add and compare)

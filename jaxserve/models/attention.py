@@ -46,15 +46,20 @@ class ModelOptions:
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
-    @property
-    def unroll_layers(self) -> bool:
+    # Layers per iteration of the scan over layers; None: the platform's choice (below).
+    # The preflight's cost compiles set 2 to measure one layer's cost (worker/program_cost.py).
+    layer_unroll: int | None = None
+
+    def scan_unroll(self, num_layers: int) -> int:
         """Unroll the scan over layers on GPU. In XLA's CUDA loop each layer's slice of a weight
         stack was copied before its GEMMs (three passes over the weights), and the loop's
         iterations were driven from the host (the GPU idled between layers); unrolled, an H200's
         decode step took less than half the time, for about 4x the compile time
         (docs/benchmarks.md, "The H200 decode step"). TPU and CPU keep the loop: it reads the
         stacks in place there."""
-        return self.platform == "gpu"
+        if self.layer_unroll is not None:
+            return min(self.layer_unroll, num_layers)
+        return num_layers if self.platform == "gpu" else 1
 
     @property
     def cpu_kernel(self) -> bool:

@@ -3,7 +3,7 @@ with moe.py's feed-forward Mixtral and Qwen3-MoE).
 
 Layers are stacked and run under `nn.scan`: one compiled layer body instead of
 `num_hidden_layers` unrolled copies keeps CPU and TPU compile time low (GPU unrolls it:
-`ModelOptions.unroll_layers`). The KV cache of
+`ModelOptions.scan_unroll`). The KV cache of
 all layers is one array carried through the scan and updated in place:
 
     kv_cache [num_layers, num_pages, page_size, *token_shape]
@@ -92,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
-            unroll=cfg.num_hidden_layers if opts.unroll_layers else 1,
+            unroll=opts.scan_unroll(cfg.num_hidden_layers),
         )(cfg, opts)
         self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0 if cfg.gemma else 0.0)
         if not cfg.tie_word_embeddings:

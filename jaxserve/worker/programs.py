@@ -83,6 +83,10 @@ class CompiledProgram:
     temp_bytes: int
     cache_bytes: int  # the KV cache argument's bytes (0 without one)
     cache_copies: int  # copies of the KV cache's shape in the compiled program
+    # XLA's cost analysis (per device; None where the backend does not cost the program). It
+    # counts a while loop's body once: worker/program_cost.py multiplies the layer scan's.
+    flops: float | None = None
+    bytes_accessed: float | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -160,12 +164,27 @@ def compile_program(program: Program, compiler_options: dict[str, Any] | None = 
     mem = compiled.memory_analysis()
     cache = program.args[program.cache_arg] if program.cache_arg is not None else None
     copies = count_cache_copies(compiled.as_text(), cache) if cache is not None else 0
+    flops, bytes_accessed = cost_analysis(compiled)
     report = CompiledProgram(
         program.name, program.kind, program.at_warm_up, seconds,
         int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
         int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
-        per_device_bytes(cache) if cache is not None else 0, copies)
+        per_device_bytes(cache) if cache is not None else 0, copies, flops, bytes_accessed)
     return report, compiled
+
+
+def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
+    """(flops, bytes accessed) of a compiled program as XLA's cost analysis counts them; None
+    for what the backend does not report (never 0 for "not costed")."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without a cost model
+        return None, None
+    cost = (cost[0] if cost else None) if isinstance(cost, list) else cost
+    if not cost:
+        return None, None
+    flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
+    return (None if flops is None else float(flops)), (None if nbytes is None else float(nbytes))
 
 
 

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.kv_cache import KVCacheLayout
 from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
 from kernels_pallas.registry import register_backend
 
@@ -161,6 +162,28 @@ def _kernel(
                 mask=row_valid[:, None])
 
 
+def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
+              q_lens: list[int], kv_lens: list[int], block_q: int | None = None,
+              pages_per_block: int | None = None) -> tuple[int, int]:
+    """(bytes of cache the kernel loads, flops of its dots) for one layer of a step whose
+    sequences have `q_lens` new tokens over `kv_lens` of context (no sliding window): each
+    (kv head, work item) program loads whole blocks of key and value slots up to its causal
+    end (past-the-end slots load the null page) and multiplies its whole padded tile against
+    them. The preflight's --roofline adds it to XLA's cost of the program, which cannot know
+    the step's lengths (the cost estimate below counts q and out)."""
+    num_kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
+    group_pad = next_pow2(num_q_heads // num_kv_heads)
+    block_q = block_q or max(1, 32 // group_pad)
+    block_k = (pages_per_block or max(1, (32 if head_dim > 128 else 64) // page_size)) * page_size
+    blocks = 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        for q_start in range(0, q_len, block_q):
+            num_keys = min(q_start + block_q, q_len) + kv_len - q_len
+            blocks += -(-num_keys // block_k)
+    flops = blocks * num_kv_heads * 4 * block_q * group_pad * block_k * head_dim
+    return blocks * block_k * layout.bytes_per_token(), flops
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale", "block_q",
     "pages_per_block", "num_warps", "num_stages", "interpret", "check"))
@@ -228,6 +251,9 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        # q in, out back; the cache's bytes depend on the step's lengths: kv_bytes_read.
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_gpu",
     )(seq, q_start, q_end, kv_len, page_indices, qg, kv_flat)
 
@@ -278,5 +304,6 @@ register_backend(
     update_kv_cache=update_kv_cache,
     platforms=("cuda",),
     description="Pallas/Triton: (kv head, q block) grid, GQA group as one tile, online softmax",
+    step_cost=step_cost,
     test_tuning=({}, {"block_q": 2, "pages_per_block": 1}),
 )

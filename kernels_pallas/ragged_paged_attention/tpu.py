@@ -233,6 +233,29 @@ def default_tuning(num_q_heads: int, num_kv_heads: int, page_size: int) -> tuple
     return max(16, 128 // group // 16 * 16), max(1, 128 // page_size)
 
 
+def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
+              q_lens: list[int], kv_lens: list[int], block_q: int | None = None,
+              pages_per_block: int | None = None) -> tuple[int, int]:
+    """(HBM bytes of cache the kernel's DMAs read, flops of its dots) for one layer of a step
+    whose sequences have `q_lens` new tokens over `kv_lens` of context (no sliding window):
+    each q block fetches, for each sequence in it, whole kv blocks up to its causal end
+    (past-the-end pages read the null page, still bytes) and multiplies all its rows against
+    them. A compiled program cannot know the step's lengths, so the preflight's --roofline
+    adds this to XLA's cost of the program (the cost estimate below counts q and out only)."""
+    default_bq, default_ppb = default_tuning(num_q_heads, layout.num_kv_heads, page_size)
+    block_q, block_k = block_q or default_bq, (pages_per_block or default_ppb) * page_size
+    blocks, start = 0, 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        end = start + q_len
+        for blk in range(start // block_q, (end - 1) // block_q + 1) if q_len else ():
+            num_keys = kv_len - (end - min(end, (blk + 1) * block_q))
+            blocks += max(-(-num_keys // block_k), 1)
+        start = end
+    rows = block_q * (num_q_heads // layout.num_kv_heads)
+    flops = blocks * layout.num_kv_heads * 4 * rows * block_k * layout.slot_lanes
+    return blocks * block_k * layout.bytes_per_token(), flops
+
+
 @functools.partial(jax.jit, static_argnames=(
     "layout", "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
     "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"))
@@ -312,6 +335,9 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
+        # q in, out back; the cache's bytes depend on the step's lengths: kv_bytes_read.
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                      bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_tpu",
     )(*scalars, qg, kv_pages)
 
@@ -328,6 +354,7 @@ register_backend(
     ragged_paged_attention,
     platforms=("tpu",),
     packed_layout=True,
+    step_cost=step_cost,
     description="Pallas/Mosaic over the packed int32 cache: q-block grid, scalar-prefetched "
                 "page table, double-buffered page DMAs, GQA group as one tile",
     test_tuning=({}, {"block_q": 8, "pages_per_block": 1}),

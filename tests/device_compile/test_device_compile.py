@@ -66,6 +66,10 @@ def _assert_clean(report) -> None:
 
 # Pages given: no sizing compiles, for the tests about what compiles rather than what fits.
 FIXED_CACHE = ["--num-gpu-blocks-override", "512"]
+# The default model's decode steps on v5e:2x2 -tp 2 read 4.6x (batch 1) and 5.2x (batch 2) the
+# ideal bytes as XLA counts them (docs/benchmarks.md, "Compiled bytes against the ideal"): a
+# ratchet, not the issue's target of 1.25x.
+BYTES_OVER_IDEAL_V5E_TP2 = 5.5
 SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs, pooling) on v6e
 
@@ -101,7 +105,7 @@ def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
     if target.startswith(("v6e", "tpu7x", "h100", "h200")):
         # No copy of the weights (tpu7x copied every layer stack at each step, 241 MiB of temp:
         # jaxserve/parallel/sharding.py, WEIGHT_TILINGS; CUDA's loop copied each layer's slice
-        # before its GEMMs: ModelOptions.unroll_layers): a forward's temp is its activations,
+        # before its GEMMs: ModelOptions.scan_unroll): a forward's temp is its activations,
         # a sliver of the weights.
         temp = {p.name: p.temp_bytes for p in report.programs if p.kind == "forward"
                 # GPU: at decode batch 16 (the issue's bound; an unrolled forward at 32 tokens
@@ -331,19 +335,40 @@ def test_gemma3_compiles(target: str, gemma3_model: str) -> None:
 
 def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
     """`--target A B --roofline --json`: one object with `targets` and `rows`; v6e:1x1 cannot
-    hold -tp 2 (its error is its row's), h100 still gets its estimate and price."""
-    cmd = [sys.executable, "-m", "jaxserve.preflight", "--target", "v6e:1x1", "h100", "--json",
-           "--roofline", "-tp", "2", "--programs", "admit", *SMALL, *FIXED_CACHE]
+    hold -tp 2 (its error is its row's), v5e:2x2 still gets its estimate, its price and the
+    compiled cost of each decode step (worker/program_cost.py: an unrolled copy of the
+    forward, the kernel's plan, the greedy sampler; both devices together)."""
+    cmd = [sys.executable, "-m", "jaxserve.preflight", "--target", "v6e:1x1", "v5e:2x2", "--json",
+           "--roofline", "-tp", "2", "--programs", "forward,sample", "--only-warm-up", *SMALL,
+           *FIXED_CACHE]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     targets = {t["target"]: t for t in report["targets"]}
     assert not targets["v6e:1x1"]["fits"] and "devices" in targets["v6e:1x1"]["error"]
-    h100 = targets["h100"]
-    assert h100["fits"] and h100["max_concurrent_seqs"] >= 1
-    assert h100["est_tokens_per_s_c1"] > 0 and h100["usd_per_m_tokens"] > 0
-    rows = [r for r in report["rows"] if r["target"] == "h100"]
+    v5e = targets["v5e:2x2"]
+    assert v5e["fits"] and v5e["max_concurrent_seqs"] >= 1
+    assert v5e["est_tokens_per_s_c1"] > 0 and v5e["usd_per_m_tokens"] > 0
+    rows = [r for r in report["rows"] if r["target"] == "v5e:2x2"]
     assert {(r["program"], r["batch"], r["context"]) for r in rows} == {
         ("decode", 1, 1024), ("decode", 2, 1024), ("prefill", 1, 512), ("prefill", 1, 2048)}
-    assert all(r["compiled_bytes"] is None and r["ideal_bytes"] > 0 for r in rows)
+    for r in rows:
+        print(f"v5e:2x2 -tp 2 {r['program']} {r['batch']} x {r['context']}: compiled / ideal "
+              f"bytes {r['compiled_bytes'] and r['compiled_bytes'] / r['ideal_bytes']}, parts "
+              f"{r['compiled_parts']}")
+        if r["bucket"] is None:  # more tokens than the largest bucket: no program to cost
+            assert r["compiled_bytes"] is None and r["ideal_bytes"] > 0
+            continue
+        parts = r["compiled_parts"]
+        assert r["compiled_bytes"] == pytest.approx(sum(b for _, b in parts.values()))
+        # The forward reads at least the layers' weights (bf16; the LM head is the sampler's),
+        # the kernel the context's KV (3 heads of 64 packed as 4: 1.33x), both devices together.
+        layers = 30 * 2 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536)
+        assert parts["forward"][1] >= layers
+        kv = r["batch"] * 30 * 1024 * 2 * 3 * 64 * 2
+        assert parts["attention"][1] == pytest.approx(kv * 4 / 3)
+        assert parts["sampler"][1] >= 49152 * 576 * 2
+        # Today's figure with room (docs/benchmarks.md: the issue's 1.25x is not met): a new
+        # copy of the weights (+0.7x) shows up here.
+        assert r["compiled_bytes"] / r["ideal_bytes"] < BYTES_OVER_IDEAL_V5E_TP2

@@ -198,3 +198,24 @@ def test_gpu_guard_bounds_warps_and_keeps_small_tiles() -> None:
     with pytest.raises(ValueError, match="powers of two"):
         gpu.check_tuning(block_q=3, pages_per_block=4, num_warps=4, num_stages=2)
     gpu.check_tuning(block_q=1, pages_per_block=1, num_warps=4, num_stages=2)  # compiles: kept
+
+
+def test_step_cost_counts_the_blocks_each_kernel_reads() -> None:
+    """`step_cost` against hand counts of each kernel's plan: 9 q / 3 kv heads of 64 (the
+    default model), bf16, pages of 16."""
+    tpu, gpu = kernels_pallas.get_backend("tpu"), kernels_pallas.get_backend("gpu")
+    packed = kernels_pallas.kv_cache_layout(3, 64, "bfloat16", backend="tpu")
+    standard = kernels_pallas.kv_cache_layout(3, 64, "bfloat16", backend="gpu")
+    # TPU: q blocks of 32 tokens, kv blocks of 8 pages = 128 keys; a packed token is
+    # 3 x [k | v | pad] of 128 lanes in bf16: 1,024 B (768 B of values).
+    assert packed.bytes_per_token() == 1024 and standard.bytes_per_token() == 768
+    # Two decodes at 100 keys: one kv block each (the 28 past the end read the null page);
+    # every row of the 32-token q block (x3 q heads) multiplies each block.
+    assert tpu.step_cost(packed, 9, 16, [1, 1], [100, 100]) == (2 * 128 * 1024, 2 * 3 * 4 * 96 * 128 * 128)
+    # A 100-token prefill: 4 q blocks, each needs keys up to its last token (<= 128): 4 blocks.
+    assert tpu.step_cost(packed, 9, 16, [100], [100])[0] == 4 * 128 * 1024
+    # GPU: q blocks of 8 tokens (group 3 padded to 4), kv blocks of 4 pages = 64 keys.
+    # Decodes at 100 keys: 2 blocks each, per kv head.
+    assert gpu.step_cost(standard, 9, 16, [1, 1], [100, 100]) == (4 * 64 * 768, 4 * 3 * 4 * 32 * 64 * 64)
+    # The prefill: 13 work items; those ending at <= 64 keys (8) read one block, the rest 2.
+    assert gpu.step_cost(standard, 9, 16, [100], [100])[0] == (8 + 5 * 2) * 64 * 768

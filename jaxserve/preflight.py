@@ -74,6 +74,7 @@ class PreflightReport:
     error: str | None = None  # a configuration that cannot fit, or programs that failed
     roofline: list[Row] = dataclasses.field(default_factory=list)  # --roofline's steps
     roofline_error: str | None = None  # why there are none (a chip the table lacks)
+    roofline_compile_s: float = 0.0  # the unrolled forward copies --roofline costs (TPU)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +99,7 @@ class PreflightReport:
             "architecture": self.architecture, "settings": self.settings, "memory": memory,
             "compile_s": {"warm_up": round(self.compile_seconds(True), 2),
                           "first_use": round(self.compile_seconds(False), 2),
+                          "roofline": round(self.roofline_compile_s, 2),
                           "total": round(self.compile_seconds(), 2)},
             "programs": [dataclasses.asdict(p) for p in self.programs],
         }
@@ -272,8 +274,9 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     if report.roofline and (kinds is None or {ProgramKind.FORWARD, ProgramKind.SAMPLE} <= set(kinds)):
         from jaxserve.worker.program_cost import costed_rows
 
-        report.roofline = costed_rows(report.roofline, worker, report.memory.num_pages,
-                                      programs, report.programs, options, threads)
+        report.roofline, report.roofline_compile_s = costed_rows(
+            report.roofline, worker, report.memory.num_pages, programs, report.programs,
+            options, threads)
     return report
 
 
@@ -340,6 +343,9 @@ def roofline_text(report: PreflightReport) -> str:
              f"  {'step':<8} {'batch':>5} {'context':>7} {'bucket':>6} {'pad':>4} "
              f"{'ideal MB':>9} {'GFLOP':>8} {'ms':>8} {'bound':>7} {'attn':>5} {'est tok/s':>10} "
              f"{'compiled/ideal B':>16} {'flops':>6}"]
+    if report.roofline_compile_s:
+        lines.insert(1, f"  (the forward's unrolled copies, for the compiled columns, compiled in "
+                        f"{report.roofline_compile_s:.1f} s)")
 
     def ratio(compiled: float | None, ideal: float) -> str:
         return "-" if compiled is None else f"{compiled / ideal:.2f}"

@@ -43,16 +43,16 @@ def _total(results: list[Any]) -> Cost | None:
 
 def forward_costs(worker: Any, num_pages: int, buckets: list[int], programs: list[Program],
                   compiled: list[Any], options: dict[str, Any] | None, threads: int | None
-                  ) -> dict[int, Cost | None]:
+                  ) -> tuple[dict[int, Cost | None], float]:
     """Each token bucket's forward cost, all stages: the compiled programs themselves where the
-    layers are unrolled, else an unrolled copy compiled here."""
+    layers are unrolled, else an unrolled copy compiled here; and the seconds that took."""
     num_layers = worker.run_arch.num_hidden_layers
     if worker.model_options.scan_unroll(num_layers) == num_layers:
         by_bucket: dict[int, list[Any]] = {}
         for p, c in zip(programs, compiled):
             if p.kind is ProgramKind.FORWARD and p.at_warm_up and p.bucket in buckets:
                 by_bucket.setdefault(p.bucket, []).append(c)
-        return {b: _total(by_bucket.get(b, [])) for b in buckets}
+        return {b: _total(by_bucket.get(b, [])) for b in buckets}, 0.0
     saved = worker.model_options
     worker.model_options = dataclasses.replace(saved, layer_unroll=num_layers)
     try:
@@ -67,7 +67,8 @@ def forward_costs(worker: Any, num_pages: int, buckets: list[int], programs: lis
     by_bucket = {}
     for p, c in zip(copies, results):
         by_bucket.setdefault(p.bucket, []).append(c)
-    return {b: _total(by_bucket.get(b, [])) for b in buckets}
+    seconds = sum(c.compile_s for c in results if not isinstance(c, BaseException))
+    return {b: _total(by_bucket.get(b, [])) for b in buckets}, seconds
 
 
 def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
@@ -85,11 +86,11 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
 
 def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Program],
                 compiled: list[CompiledProgram | BaseException], options: dict[str, Any] | None,
-                threads: int | None) -> list[Row]:
+                threads: int | None) -> tuple[list[Row], float]:
     """`rows` with `compiled_bytes` / `compiled_flops` (None where a program is not costed or
-    the step needs more tokens than the largest bucket)."""
+    the step needs more tokens than the largest bucket), and the seconds its compiles took."""
     buckets = sorted({r.bucket for r in rows if r.bucket is not None})
-    forwards = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
+    forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
     greedy: dict[int, Cost | None] = {}
     for p, c in zip(programs, compiled):
         if p.kind is ProgramKind.SAMPLE and p.args[1] is SamplerMode.GREEDY and not p.args[2]:
@@ -112,4 +113,4 @@ def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Pro
             compiled_parts={"forward": (tp * fwd[0], tp * fwd[1]),
                             "attention": (tp * kflops, tp * kbytes),
                             "sampler": (tp * sample[0], tp * sample[1])}))
-    return out
+    return out, seconds

@@ -331,7 +331,8 @@ def target_summary(report: PreflightReport, target: Target, prices: dict[str, fl
             "roofline_error": report.roofline_error,
             "memory": report.to_json()["memory"],
             "max_concurrent_seqs": m.max_concurrent_seqs if m else None,
-            "est_tokens_per_s_c1": c1, "est_tokens_per_s_c64": c64, "usd_per_m_tokens": usd}
+            "est_tokens_per_s_c1": c1, "est_tokens_per_s_c64": c64, "usd_per_m_tokens": usd,
+            "compile_s": report.to_json()["compile_s"]}
 
 
 def roofline_text(report: PreflightReport) -> str:

@@ -350,6 +350,7 @@ def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
     v5e = targets["v5e:2x2"]
     assert v5e["fits"] and v5e["max_concurrent_seqs"] >= 1
     assert v5e["est_tokens_per_s_c1"] > 0 and v5e["usd_per_m_tokens"] > 0
+    assert v5e["compile_s"]["roofline"] > 0  # TPU scans: the forward's unrolled copy compiled
     rows = [r for r in report["rows"] if r["target"] == "v5e:2x2"]
     assert {(r["program"], r["batch"], r["context"]) for r in rows} == {
         ("decode", 1, 1024), ("decode", 2, 1024), ("prefill", 1, 512), ("prefill", 1, 2048)}

@@ -46,14 +46,14 @@ def main() -> None:
     i = argv.index("--program")
     name = argv[i + 1]
     del argv[i:i + 2]
-    targets, config, files, _ = validate(make_parser().parse_args(argv))
+    targets, config, files, arch = validate(make_parser().parse_args(argv))
     pc = config.parallel_config
     devices = make_devices(targets[0], pc.tensor_parallel_size * pc.pipeline_parallel_size)
     config = resolve_engine_config(config, files, devices)
     worker = Worker(config, files, devices=devices)
     if unrolled:
-        layers = worker.model_options.layer_unroll or 10**6
-        worker.model_options = dataclasses.replace(worker.model_options, layer_unroll=layers)
+        worker.model_options = dataclasses.replace(worker.model_options,
+                                                   layer_unroll=arch.num_hidden_layers)
     worker.load_abstract_model()
     pages = config.cache_config.num_gpu_blocks_override or 1024
     runner = worker.make_runner(pages, abstract=True)

@@ -46,8 +46,8 @@ class ModelOptions:
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
-    # Layers per iteration of the scan over layers; None: the platform's choice (below).
-    # The preflight's cost compiles set 2 to measure one layer's cost (worker/program_cost.py).
+    # Layers per iteration of the scan over layers; None: the platform's choice (below). The
+    # preflight's --roofline sets all of them to cost an unrolled copy (worker/program_cost.py).
     layer_unroll: int | None = None
 
     def scan_unroll(self, num_layers: int) -> int:

@@ -77,8 +77,8 @@ def resolve_model(model: str | None) -> ModelFiles:
 
 def open_gguf(path: str) -> Any:
     """The file's `gguf.GGUFReader` (models/gguf_reader.py's faster parse), parsed once per
-    process: the architecture, the weights, the EOS ids and the tokenizer are all read from it. A rewritten file (new mtime or size) is
-    parsed again."""
+    process: the architecture, the weights, the EOS ids and the tokenizer are all read from
+    it. A rewritten file (new mtime or size) is parsed again."""
     st = os.stat(path)
     return _open_gguf(os.path.realpath(path), st.st_mtime_ns, st.st_size)
 

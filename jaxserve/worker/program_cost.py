@@ -27,7 +27,7 @@ from typing import Any
 
 import kernels_pallas
 from jaxserve.roofline import Row
-from jaxserve.worker.programs import CompiledProgram, Program, ProgramKind, compile_programs
+from jaxserve.worker.programs import Program, ProgramKind, compile_programs
 from jaxserve.worker.sampler import SamplerMode
 
 Cost = tuple[float, float]  # (flops, bytes accessed), per device
@@ -85,10 +85,12 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
 
 
 def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Program],
-                compiled: list[CompiledProgram | BaseException], options: dict[str, Any] | None,
+                compiled: list[Any], options: dict[str, Any] | None,
                 threads: int | None) -> tuple[list[Row], float]:
     """`rows` with `compiled_bytes` / `compiled_flops` (None where a program is not costed or
-    the step needs more tokens than the largest bucket), and the seconds its compiles took."""
+    the step needs more tokens than the largest bucket), and the seconds its compiles took.
+    `compiled`: each of `programs`' results with `flops` and `bytes_accessed` (the preflight's
+    ProgramResults; a failed compile's are None)."""
     buckets = sorted({r.bucket for r in rows if r.bucket is not None})
     forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
     greedy: dict[int, Cost | None] = {}

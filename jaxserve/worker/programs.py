@@ -84,7 +84,7 @@ class CompiledProgram:
     cache_bytes: int  # the KV cache argument's bytes (0 without one)
     cache_copies: int  # copies of the KV cache's shape in the compiled program
     # XLA's cost analysis (per device; None where the backend does not cost the program). It
-    # counts a while loop's body once: worker/program_cost.py multiplies the layer scan's.
+    # counts a while loop's body once: worker/program_cost.py costs an unrolled copy instead.
     flops: float | None = None
     bytes_accessed: float | None = None
 
@@ -185,8 +185,6 @@ def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
         return None, None
     flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
     return (None if flops is None else float(flops)), (None if nbytes is None else float(nbytes))
-
-
 
 
 def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Program]:

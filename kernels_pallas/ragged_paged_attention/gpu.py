@@ -162,6 +162,11 @@ def _kernel(
                 mask=row_valid[:, None])
 
 
+def default_tuning(group_pad: int, head_dim: int, page_size: int) -> tuple[int, int]:
+    """(block_q, pages_per_block): a 32-row q tile; 64 keys a step (32 for head_dim > 128)."""
+    return max(1, 32 // group_pad), max(1, (32 if head_dim > 128 else 64) // page_size)
+
+
 def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
               q_lens: list[int], kv_lens: list[int], block_q: int | None = None,
               pages_per_block: int | None = None) -> tuple[int, int]:
@@ -173,8 +178,8 @@ def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
     the step's lengths (the cost estimate below counts q and out)."""
     num_kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
     group_pad = next_pow2(num_q_heads // num_kv_heads)
-    block_q = block_q or max(1, 32 // group_pad)
-    block_k = (pages_per_block or max(1, (32 if head_dim > 128 else 64) // page_size)) * page_size
+    default_bq, default_ppb = default_tuning(group_pad, head_dim, page_size)
+    block_q, block_k = block_q or default_bq, (pages_per_block or default_ppb) * page_size
     blocks = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
         for q_start in range(0, q_len, block_q):
@@ -222,10 +227,9 @@ def ragged_paged_attention(
             raise ValueError(f"the gpu backend needs a power-of-two {name}, got {size}; "
                              "use backend='reference'")
     group_pad = next_pow2(group)
-    block_q = block_q or max(1, 32 // group_pad)
-    wide = head_dim > 128
-    pages_per_block = pages_per_block or max(1, (32 if wide else 64) // page_size)
-    num_warps = num_warps or (8 if wide else 4)
+    default_bq, default_ppb = default_tuning(group_pad, head_dim, page_size)
+    block_q, pages_per_block = block_q or default_bq, pages_per_block or default_ppb
+    num_warps = num_warps or (8 if head_dim > 128 else 4)
     if check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
         check_tuning(block_q=block_q, pages_per_block=pages_per_block,
                      num_warps=num_warps, num_stages=num_stages)
@@ -251,7 +255,7 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        # q in, out back; the cache's bytes depend on the step's lengths: kv_bytes_read.
+        # q in, out back; the cache's bytes depend on the step's lengths: step_cost.
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                       bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_gpu",

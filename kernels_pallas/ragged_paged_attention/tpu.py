@@ -335,7 +335,7 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                              vmem_limit_bytes=vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
-        # q in, out back; the cache's bytes depend on the step's lengths: kv_bytes_read.
+        # q in, out back; the cache's bytes depend on the step's lengths: step_cost.
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                       bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_tpu",

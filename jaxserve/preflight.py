@@ -340,10 +340,11 @@ def roofline_text(report: PreflightReport) -> str:
         return f"roofline: {report.roofline_error}"
     lines = ["roofline: the ideal step at the chip's HBM bandwidth and matmul peak, an upper "
              "bound (jaxserve/roofline.py); compiled: what the compiled programs read and "
-             "compute for the same step, against the ideal (jaxserve/worker/program_cost.py)",
+             "compute for the same step, against the ideal (jaxserve/worker/program_cost.py); "
+             "smplr: the compiled sampler's bytes beyond the LM head, a share of the ideal step",
              f"  {'step':<8} {'batch':>5} {'context':>7} {'bucket':>6} {'pad':>4} "
              f"{'ideal MB':>9} {'GFLOP':>8} {'ms':>8} {'bound':>7} {'attn':>5} {'est tok/s':>10} "
-             f"{'compiled/ideal B':>16} {'flops':>6}"]
+             f"{'compiled/ideal B':>16} {'flops':>6} {'smplr':>5}"]
     if report.roofline_compile_s:
         lines.insert(1, f"  (the forward's unrolled copies, for the compiled columns, compiled in "
                         f"{report.roofline_compile_s:.1f} s)")
@@ -357,7 +358,8 @@ def roofline_text(report: PreflightReport) -> str:
             f"{r.padding_share:>4.0%} {r.ideal_bytes / 1e6:>9.1f} {r.ideal_flops / 1e9:>8.1f} "
             f"{r.roofline_s * 1e3:>8.3f} {r.bound:>7} {r.attention_share:>5.0%} "
             f"{r.est_tokens_per_s:>10,.0f} {ratio(r.compiled_bytes, r.ideal_bytes):>16} "
-            f"{ratio(r.compiled_flops, r.ideal_flops):>6}")
+            f"{ratio(r.compiled_flops, r.ideal_flops):>6} "
+            f"{'-' if r.sampler_share is None else format(r.sampler_share, '.1%'):>5}")
     return "\n".join(lines)
 
 
@@ -407,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(report)
     summaries = [target_summary(r, t, prices) for r, t in zip(reports, targets)] if args.roofline else []
     if args.json:
-        out: Any = ({"targets": summaries, "rows": [dataclasses.asdict(r) for rep in reports
-                                                    for r in rep.roofline]}
+        out: Any = ({"targets": summaries,
+                     "rows": [{**dataclasses.asdict(r), "sampler_share": r.sampler_share}
+                              for rep in reports for r in rep.roofline]}
                     if args.roofline else reports[0].to_json() if len(reports) == 1
                     else [r.to_json() for r in reports])
         print(json.dumps(out, indent=1))

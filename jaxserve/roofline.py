@@ -49,6 +49,7 @@ class Ideal:
     activation_bytes: float
     flops: float
     attention_flops: float
+    head_bytes: float = 0.0  # of weight_bytes, the LM head's (the sampler program reads it)
 
     @property
     def bytes(self) -> float:
@@ -92,7 +93,8 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
     attention_flops = 4 * arch.q_size * attended
     flops = 2 * (params - head) * step.tokens + 2 * head * step.sampled + attention_flops
     activations = 2 * step.tokens * arch.hidden_size * act_bytes * L + step.sampled * arch.vocab_size * 4
-    return Ideal(params * weight_bytes_per_param, kv, activations, flops, attention_flops)
+    return Ideal(params * weight_bytes_per_param, kv, activations, flops, attention_flops,
+                 head * weight_bytes_per_param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,7 @@ class Row:
     est_tokens_per_s: float
     attention_share: float
     padding_share: float  # of the bucket's tokens, the padding's
+    head_bytes: float  # of ideal_bytes, the LM head's weights
     # What the compiler says of the same step (jaxserve/worker/program_cost.py); None where a
     # program is not costed, never 0.
     compiled_bytes: float | None = None
@@ -162,6 +165,14 @@ class Row:
     # "sampler"; None when not costed.
     compiled_parts: dict[str, tuple[float, float]] | None = None
     temp_bytes: int | None = None  # the forward program's temp at that bucket (the preflight's)
+
+    @property
+    def sampler_share(self) -> float | None:
+        """The compiled sampler's bytes beyond the LM head's weights (its [rows, vocab] work:
+        logits, processors, argmax, logprobs), as a share of the ideal step's bytes."""
+        if self.compiled_parts is None:
+            return None
+        return max(0.0, self.compiled_parts["sampler"][1] - self.head_bytes) / self.ideal_bytes
 
 
 def steps(max_num_seqs: int, max_model_len: int) -> list[Step]:
@@ -185,7 +196,7 @@ def rows(target: str, chip: Chip, arch: ArchConfig, devices: int, weights: str,
         out.append(Row(
             target, step.kind, step.batch, step.context, bucket, ideal.bytes, ideal.flops,
             r.seconds, r.bound, r.tokens_per_s, r.attention_share,
-            0.0 if bucket is None else 1 - step.tokens / bucket))
+            0.0 if bucket is None else 1 - step.tokens / bucket, ideal.head_bytes))
     return out
 
 

@@ -87,6 +87,8 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_seqs, -1, np.int32)
         # Sequence positions before which EOS / stop_token_ids are masked (min_tokens).
         self.min_tokens_end = np.zeros(max_num_seqs, np.int32)
+        # A logit_bias, allowed_token_ids or bad_words: the sampler's processors run (sampler.py).
+        self.has_processors = np.zeros(max_num_seqs, bool)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: not asked
         self.vocab_size = vocab_size
@@ -124,6 +126,8 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_tokens[slot] = n if num_prompt_tokens is None else num_prompt_tokens
         self.min_tokens_end[slot] = self.num_prompt_tokens[slot] + params.min_tokens
+        self.has_processors[slot] = bool(params.logit_bias or params.allowed_token_ids is not None
+                                         or params.bad_words_token_ids)
         self.prompt_logprobs[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         return slot
 

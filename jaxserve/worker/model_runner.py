@@ -135,13 +135,13 @@ class ModelRunner:
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self.sample_program = jax.jit(
-            self.sample_fn, static_argnums=(0, 1, 2), donate_argnums=(5, 6),
+            self.sample_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7),
             out_shardings=replicated,
         )
         self.admit_program = jax.jit(admit, donate_argnums=(0,))
         # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
         # traces split a step's device time into forward and sampler with it.
-        self.sample_time_s: dict[tuple[int, SamplerMode, bool], float] = {}
+        self.sample_time_s: dict[tuple[int, SamplerMode, bool, bool], float] = {}
         CompileMonitor.install()
 
     # ---- compiled programs -------------------------------------------------------------
@@ -222,8 +222,10 @@ class ModelRunner:
                                           int(b.prompt_logprobs[slot])))
         return (targets, rows) if rows else None
 
-    def sample_fn(self, num_rows: int, mode: SamplerMode, verify: bool, params, hidden,
-                     last_sampled, penalties: PenaltyState, buf, bitmask=None):
+    def sample_fn(self, num_rows: int, mode: SamplerMode, verify: bool, processors: bool, params,
+                  hidden, last_sampled, penalties: PenaltyState, buf, bitmask=None):
+        """`processors`: some row has a penalty or logits processor (sampler.needs_processors);
+        without, no per-slot [vocab] state is read or updated (no row of the step reads it)."""
         u = sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
         drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
@@ -235,26 +237,28 @@ class ModelRunner:
         rows = jax.lax.optimization_barrier(hidden[:num_rows])
         logits = self.model.apply(params, rows, method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
-        processors = LogitsProcessors(
-            penalties.stop_mask[rows], penalties.bias_ids[rows], penalties.bias_values[rows],
-            bitmask, banned_mask=penalties.banned_mask[rows],
-            bad_prefixes=penalties.bad_prefixes[rows], bad_last=penalties.bad_last[rows],
-            recent=penalties.recent[rows])
-        args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
-                processors)
+        args: tuple[Any, ...] = (logits, None, None, md, mode, None)
+        if processors:
+            args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
+                    LogitsProcessors(
+                        penalties.stop_mask[rows], penalties.bias_ids[rows],
+                        penalties.bias_values[rows], bitmask, banned_mask=penalties.banned_mask[rows],
+                        bad_prefixes=penalties.bad_prefixes[rows], bad_last=penalties.bad_last[rows],
+                        recent=penalties.recent[rows]))
         out = rejection_sample(*args, *drafts) if verify else sample(*args)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         S = self.max_num_seqs
         last_sampled = last_sampled.at[slots if not verify else jnp.where(out.final, slots, S)
                                        ].set(out.sampled, mode="drop")
-        counted = jnp.where(real if not verify else real & out.emitted, slots, S)
-        counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
-        # One token a step per request: in a verification step only a request without drafts
-        # (every request whose bad words read `recent`) is right, the others are not read.
-        recent = with_sampled(penalties.recent, slots, rows, out.sampled,
-                              real if not verify else real & out.final)
-        return last_sampled, dataclasses.replace(penalties, output_counts=counts,
-                                                 recent=recent), out
+        if processors:
+            counted = jnp.where(real if not verify else real & out.emitted, slots, S)
+            counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
+            # One token a step per request: in a verification step only a request without
+            # drafts (every request whose bad words read `recent`) is right.
+            recent = with_sampled(penalties.recent, slots, rows, out.sampled,
+                                  real if not verify else real & out.final)
+            penalties = dataclasses.replace(penalties, output_counts=counts, recent=recent)
+        return last_sampled, penalties, out
 
     # ---- per step ----------------------------------------------------------------------
 
@@ -269,7 +273,8 @@ class ModelRunner:
         bitmask = grammar_bitmask(so.grammar_bitmask, step.req_ids, step.per_req, step.R,
                                   self.model.cfg.vocab_size)
         out = self._run_sampler(step, hidden, bitmask)
-        facts = StepFacts(self.sample_time_s.get((step.R, step.mode, step.verify), 0.0),
+        key = (step.R, step.sampler.mode, step.verify, step.sampler.processors)
+        facts = StepFacts(self.sample_time_s.get(key, 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         first_positions = None
         if self.record_sampled:
@@ -294,14 +299,14 @@ class ModelRunner:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T, num_drafts, drafts)
             per_req = num_drafts + 1
             R = pad_to_bucket(int(per_req.sum()), self.verify_buckets)
-            md, mode = verify_inputs(self.batch, inp, slots, samples, num_drafts, drafts, R)
+            sampler = verify_inputs(self.batch, inp, slots, samples, num_drafts, drafts, R)
         else:
             inp, slots, samples = self.batch.prepare(req_ids, num_sched, T)
             R = pad_to_bucket(len(req_ids), self.request_buckets)
-            md, mode = sampling_inputs(self.batch, slots, samples, inp.kv_lens[: len(req_ids)], R)
+            sampler = sampling_inputs(self.batch, slots, samples, inp.kv_lens[: len(req_ids)], R)
         pool = self.pooler.segments(req_ids, inp.kv_lens, inp.cu_q_lens,
                                     self.batch.num_prompt_tokens[slots], T)
-        return PreparedStep(req_ids, inp, slots, samples, T, R, mode, md, per_req,
+        return PreparedStep(req_ids, inp, slots, samples, T, R, sampler, per_req,
                             self._prompt_rows(req_ids, slots, inp, T), pool)
 
     def _run_forward(self, step: PreparedStep) -> tuple[Any, Any, Any]:
@@ -326,9 +331,12 @@ class ModelRunner:
         # NOTE: no bitmask argument at all without one: an explicit None would be another
         # call signature to jit, and compile again what warm-up compiled. With one, the
         # program variant is compiled on first use, like prompt logprobs.
+        # A grammar's bitmask is one of the logits processors.
+        processors = step.sampler.processors or bitmask is not None
         self.last_sampled, self.penalties, out = self.sample_program(
-            step.R, step.mode, step.verify, self.params, hidden, self.last_sampled,
-            self.penalties, step.sampler_inputs, *(() if bitmask is None else (bitmask,)))
+            step.R, step.sampler.mode, step.verify, processors, self.params, hidden,
+            self.last_sampled, self.penalties, step.sampler.packed,
+            *(() if bitmask is None else (bitmask,)))
         return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -397,20 +405,21 @@ class ModelRunner:
         """The runner's own device state besides weights and cache (for KV-cache sizing)."""
         return (self.last_sampled, self._no_sampled, self.penalties)
 
-    def _warm_up_sampler(self, R: int, mode: SamplerMode, verify: bool, inp: StepInputs,
-                         hidden: Any) -> None:
+    def _warm_up_sampler(self, R: int, mode: SamplerMode, verify: bool, processors: bool,
+                         inp: StepInputs, hidden: Any) -> None:
         """Compile one sampler program on no rows, then time a warm run of it."""
         empty, no_mask = np.zeros(0, np.int32), np.zeros(0, bool)
-        md, _ = (verify_inputs(self.batch, inp, empty, no_mask, empty, [], R) if verify
-                 else sampling_inputs(self.batch, empty, no_mask, empty, R))
+        md = (verify_inputs(self.batch, inp, empty, no_mask, empty, [], R) if verify
+              else sampling_inputs(self.batch, empty, no_mask, empty, R)).packed
         for timed in (False, True):
             jax.block_until_ready(hidden)
             t = time.perf_counter()
             self.last_sampled, self.penalties, out = self.sample_program(
-                R, mode, verify, self.params, hidden, self.last_sampled, self.penalties, md)
+                R, mode, verify, processors, self.params, hidden, self.last_sampled,
+                self.penalties, md)
             jax.block_until_ready(out)
             if timed:
-                self.sample_time_s[(R, mode, verify)] = time.perf_counter() - t
+                self.sample_time_s[(R, mode, verify, processors)] = time.perf_counter() - t
 
     def programs(self, on_first_use: bool = True) -> list[Program]:
         """Every program the engine runs, with abstract arguments on this runner's meshes:
@@ -438,8 +447,7 @@ class ModelRunner:
                         inp, _, _ = self.batch.prepare([], empty, p.bucket)
                         hidden = self._forward(inp)
                 elif p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY):
-                    R, mode, verify = p.args[:3]
-                    self._warm_up_sampler(R, mode, verify, inp, hidden)
+                    self._warm_up_sampler(*p.args[:4], inp, hidden)
                 elif p.kind is ProgramKind.ADMIT:
                     self._admit_slot(0, [], [])
                 else:

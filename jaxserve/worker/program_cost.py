@@ -95,7 +95,7 @@ def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Pro
     forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
     greedy: dict[int, Cost | None] = {}
     for p, c in zip(programs, compiled):
-        if p.kind is ProgramKind.SAMPLE and p.args[1] is SamplerMode.GREEDY and not p.args[2]:
+        if p.kind is ProgramKind.SAMPLE and p.group == (p.kind, SamplerMode.GREEDY, False, False):
             greedy[p.args[0]] = _total([c])
     tp = worker.config.parallel_config.tensor_parallel_size
     out = []

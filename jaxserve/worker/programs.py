@@ -216,16 +216,19 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
     words = -(-runner.model.cfg.vocab_size // 32)
     for R, verify in runner.sampler_keys():
         buf = i32((sampler_packing(R, verify).size,), last.mesh)
+        # Each mode without and with the penalties and logits processors (a step where no row
+        # has one skips their [rows, vocab] passes); a grammar's variant compiles on first use.
+        variants = ((False, False), (True, False), (True, True))[:3 if on_first_use else 2]
         for mode in SamplerMode:
-            for grammar in (False, True) if on_first_use else (False,):
+            for processors, grammar in variants:
                 kind = ProgramKind.VERIFY if verify else ProgramKind.SAMPLE
                 extra = (i32((R, words), last.mesh),) if grammar else ()
-                name = f"{kind}[R={R}, {mode.value}{', grammar' if grammar else ''}]"
-                out.append(Program(name, kind, runner.sample_program,
-                                   (R, mode, verify, runner.params, hidden, runner.last_sampled,
-                                    runner.penalties, buf, *extra),
+                tag = ", grammar" if grammar else ", processors" if processors else ""
+                out.append(Program(f"{kind}[R={R}, {mode.value}{tag}]", kind, runner.sample_program,
+                                   (R, mode, verify, processors, runner.params, hidden,
+                                    runner.last_sampled, runner.penalties, buf, *extra),
                                    last.mesh, at_warm_up=not grammar, bucket=R,
-                                   group=(kind, mode, grammar)))
+                                   group=(kind, mode, processors, grammar)))
     if on_first_use:
         for T in runner.token_buckets:
             every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
@@ -283,7 +286,7 @@ def sizing_programs(programs: list[Program]) -> list[Program]:
         wanted = ((p.kind is ProgramKind.FORWARD and p.at_warm_up)
                   or p.kind is ProgramKind.PROMPT_LOGPROBS
                   or (p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY)
-                      and p.group == (p.kind, SamplerMode.FILTERED, False)))
+                      and p.group == (p.kind, SamplerMode.FILTERED, True, False)))
         if wanted and (p.group not in largest or p.bucket > largest[p.group].bucket):
             largest[p.group] = p
     return list(largest.values())

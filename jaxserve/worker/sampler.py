@@ -16,7 +16,10 @@ in the batch and however the steps fall.
 Which stages run is a static `SamplerMode` the host picks per step from the
 batch's parameters (as vLLM's `all_greedy` / `no_top_k` flags do), so the
 compiled program has no data-dependent branch: a greedy batch never pays for
-random draws, and only a batch with top-k / top-p / min-p pays for the sort.
+random draws, and only a batch with top-k / top-p / min-p pays for the filters.
+Likewise the logits processors and penalties run only in a step where some row
+has one (`needs_processors`, vLLM's `no_penalties`): each is a pass over a
+[rows, vocab] array and a gather of per-slot [vocab] state.
 Logprobs are computed for every row of every step (a variant without them would
 double the sampler programs, and their compile time on TPUs); `top_logits`
 finds the top-N in two levels, so they cost little more than one log-sum-exp.
@@ -52,6 +55,16 @@ class SamplerMode(enum.Enum):
         if ((top_k > 0) | (top_p < 1.0) | (min_p > 0))[sampling].any():
             return cls.FILTERED
         return cls.RANDOM
+
+
+def needs_processors(repetition_penalty, frequency_penalty, presence_penalty, min_tokens_end,
+                     positions, has_processors) -> bool:
+    """Whether some row of a step needs the logits processors or penalties, from the real
+    rows' host (NumPy) parameters; `has_processors`: the row's request has a logit_bias,
+    allowed_token_ids or bad_words (min_tokens is read from its end position)."""
+    return bool((repetition_penalty != 1.0).any() or (frequency_penalty != 0.0).any()
+                or (presence_penalty != 0.0).any() or (positions < min_tokens_end).any()
+                or has_processors.any())
 
 
 @jax.tree_util.register_dataclass
@@ -223,12 +236,15 @@ def inverse_cdf_sample(logits: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def processed_logits(
-    logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array, md: SamplingMetadata,
-    processors: LogitsProcessors | None,
+    logits: jax.Array, prompt_mask: jax.Array | None, output_counts: jax.Array | None,
+    md: SamplingMetadata, processors: LogitsProcessors | None,
 ) -> jax.Array:
-    """The logits after the processors and penalties (greedy takes their argmax)."""
+    """The logits after the processors and penalties (greedy takes their argmax). None: a
+    step where no row has them (`needs_processors`), so no [rows, vocab] pass is spent."""
     if processors is not None:
         logits = apply_logits_processors(logits, md, processors)
+    if prompt_mask is None or output_counts is None:
+        return logits
     return apply_penalties(logits, prompt_mask, output_counts, md)
 
 
@@ -244,8 +260,8 @@ def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode) ->
 
 def sample(
     logits: jax.Array,  # f32[R, V]
-    prompt_mask: jax.Array,  # bool[R, V]
-    output_counts: jax.Array,  # i32[R, V]
+    prompt_mask: jax.Array | None,  # bool[R, V]; None with output_counts: no penalties
+    output_counts: jax.Array | None,  # i32[R, V]
     md: SamplingMetadata,
     mode: SamplerMode = SamplerMode.FILTERED,
     processors: LogitsProcessors | None = None,

@@ -9,13 +9,21 @@ kv_len - k + j and verifies draft j (none on the last row).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxserve.worker.input_batch import InputBatch, StepInputs
 from jaxserve.worker.packing import Packing
-from jaxserve.worker.sampler import SamplerMode
+from jaxserve.worker.sampler import SamplerMode, needs_processors
+
+
+class SamplerInputs(NamedTuple):
+    """One step's sampler inputs: the packed rows and the program variant they need."""
+
+    packed: np.ndarray
+    mode: SamplerMode
+    processors: bool  # some row has a penalty or logits processor (sampler.needs_processors)
 
 
 @functools.cache
@@ -35,9 +43,10 @@ def sampler_packing(num_rows: int, verify: bool = False) -> Packing:
 
 def sampling_inputs(b: InputBatch, slots: np.ndarray, samples: np.ndarray,
                     positions: np.ndarray, R: int,
-                    verify: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, SamplerMode]:
-    """Packed per-row inputs for R (padded) rows, and the batch's mode. Row i reads slot
-    slots[i]; `positions`: the index in its sequence of each row's sampled token."""
+                    verify: dict[str, np.ndarray] | None = None) -> SamplerInputs:
+    """Packed per-row inputs for R (padded) rows, the batch's mode and whether any row needs
+    the logits processors. Row i reads slot slots[i]; `positions`: the index in its sequence
+    of each row's sampled token."""
     n, S = len(slots), b.max_num_seqs
 
     def rows(a: np.ndarray, fill: Any) -> np.ndarray:
@@ -61,12 +70,14 @@ def sampling_inputs(b: InputBatch, slots: np.ndarray, samples: np.ndarray,
     }
     mode = SamplerMode.for_batch(b.temperature[slots], b.top_k[slots], b.top_p[slots],
                                  b.min_p[slots])
-    return sampler_packing(R, verify is not None).pack(values), mode
+    processors = needs_processors(
+        b.repetition_penalty[slots], b.frequency_penalty[slots], b.presence_penalty[slots],
+        b.min_tokens_end[slots], positions, b.has_processors[slots])
+    return SamplerInputs(sampler_packing(R, verify is not None).pack(values), mode, processors)
 
 
 def verify_inputs(b: InputBatch, inp: StepInputs, slots: np.ndarray, samples: np.ndarray,
-                  num_drafts: np.ndarray, drafts: list[int], R: int
-                  ) -> tuple[np.ndarray, SamplerMode]:
+                  num_drafts: np.ndarray, drafts: list[int], R: int) -> SamplerInputs:
     """The rejection sampler's packed inputs: request i's 1 + num_drafts[i] rows."""
     n = len(slots)
     per_req = num_drafts + 1

@@ -64,8 +64,7 @@ class PreparedStep:
     samples: np.ndarray  # whether each request samples a token this step
     T: int  # the token bucket
     R: int  # the sampled-rows bucket
-    mode: Any  # SamplerMode
-    sampler_inputs: np.ndarray  # the sampler's packed per-row inputs
+    sampler: Any  # SamplerInputs: the packed per-row inputs, the mode, processors or not
     per_req: np.ndarray | None  # rows per request in a verification step (None: one each)
     prompt: tuple[Any, list[Any]] | None  # prompt-logprob targets and rows, if any asked
     pool: tuple[np.ndarray, list[Any]] | None = None  # Pooler.segments: embedding requests

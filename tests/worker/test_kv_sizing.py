@@ -78,7 +78,7 @@ def test_serving_worker_and_preflight_size_the_cache_alike(tiny_config, monkeypa
     assert serving.memory_plan == plan
     assert plan.activation_bytes > 0 and plan.weight_bytes == serving.memory_plan.weight_bytes
     assert {c.name for c in preflight.sizing_programs} == {
-        "forward[T=32]", "sample[R=4, filtered]", "prompt_logprobs[T=32]"}
+        "forward[T=32]", "sample[R=4, filtered, processors]", "prompt_logprobs[T=32]"}
 
 
 def test_dummy_weights_serve_from_a_config_json_alone(tmp_path) -> None:

@@ -87,6 +87,7 @@ class ModelRunner:
         record_sampled: bool = True,
         abstract: bool = False,
         logprobs_branch: bool = False,
+        radix_bits: int = 1,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
@@ -96,9 +97,12 @@ class ModelRunner:
         `programs()` on devices this process may not have (preflight, KV-cache sizing).
         `logprobs_branch`: a step where no row asks for logprobs skips their passes over the
         vocabulary, by a data-dependent branch on the device: for the CPU only (on GPU/TPU
-        such a branch can synchronise with the host; scripts/export_step.py refuses it)."""
+        such a branch can synchronise with the host; scripts/export_step.py refuses it).
+        `radix_bits`: bits of top-k / top-p's threshold found per pass over the vocabulary
+        (sampler.largest_threshold: fewer passes, 2^bits - 1 compares each)."""
         self.stages = stages
         self.logprobs_branch = logprobs_branch
+        self.radix_bits = radix_bits
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
         self.params = last.params
@@ -245,7 +249,8 @@ class ModelRunner:
                         penalties.bias_values[rows], bitmask, banned_mask=penalties.banned_mask[rows],
                         bad_prefixes=penalties.bad_prefixes[rows], bad_last=penalties.bad_last[rows],
                         recent=penalties.recent[rows]))
-        out = rejection_sample(*args, *drafts) if verify else sample(*args)
+        out = (rejection_sample(*args, *drafts, self.radix_bits) if verify
+               else sample(*args, self.radix_bits))
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         S = self.max_num_seqs
         last_sampled = last_sampled.at[slots if not verify else jnp.where(out.final, slots, S)

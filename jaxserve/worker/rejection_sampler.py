@@ -40,13 +40,14 @@ from jaxserve.worker.sampler import (
 
 def rejection_sample(
     logits: jax.Array,  # f32[R, V]
-    prompt_mask: jax.Array,  # bool[R, V]
-    output_counts: jax.Array,  # i32[R, V]
+    prompt_mask: jax.Array | None,  # bool[R, V]; None with output_counts: no penalties
+    output_counts: jax.Array | None,  # i32[R, V]
     md: SamplingMetadata,
     mode: SamplerMode,
     processors: LogitsProcessors | None,
     draft_ids: jax.Array,  # i32[R]: the draft this row verifies; -1: none (a request's last row)
     group_first: jax.Array,  # i32[R]: index of the first row of this row's request
+    radix_bits: int = 1,  # top-k / top-p's threshold search (sampler.largest_threshold)
 ) -> SamplerOutput:
     """One emitted-or-not token per row; `emitted` marks each request's accepted drafts
     and its final token, `final` the final token's row."""
@@ -55,7 +56,7 @@ def rejection_sample(
     target = first_argmax(logits)
     accepted = draft_ids == target
     if mode is not SamplerMode.GREEDY:
-        scaled = scaled_logits(logits, md, mode)
+        scaled = scaled_logits(logits, md, mode, radix_bits)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(md.seeds, md.positions)
         plain = inverse_cdf_sample(scaled, jax.vmap(jax.random.uniform)(keys))
         has_draft = draft_ids >= 0

@@ -181,22 +181,51 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs < threshold, _NEG_INF, logits)
 
 
-def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the top_k most likely tokens, then the smallest set reaching top_p."""
+def ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (-inf lowest): the sign bit set on non-negative
+    values, every bit flipped on negative ones."""
+    x = jnp.where(x == 0, 0.0, x.astype(jnp.float32))  # -0.0 ties +0.0, as in a comparison
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def largest_threshold(keys: jax.Array, target: jax.Array, weights: jax.Array | None = None,
+                      radix_bits: int = 1) -> jax.Array:
+    """Per row, the largest key t whose entries at or above it weigh at least `target` (a
+    count without `weights`): the k-th largest key, or top-p's last kept one. Exact, and no
+    sort: t is built `radix_bits` bits at a time, from the top, each digit's 2^bits - 1
+    candidates weighed in one pass over the row (t is always a key of the row). Unrolled,
+    so XLA's cost analysis counts every pass."""
+    n = (1 << radix_bits) - 1
+    digits = jnp.arange(1, n + 1, dtype=jnp.uint32)
+    t = jnp.zeros(keys.shape[:1], jnp.uint32)
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        candidates = t[:, None] | (digits[None, :] << shift)  # [R, n], increasing
+        above = keys[:, None, :] >= candidates[:, :, None]  # [R, n, V]
+        weight = (jnp.sum(above, axis=-1) if weights is None
+                  else jnp.sum(jnp.where(above, weights[:, None, :], 0.0), axis=-1))
+        t = t | (jnp.sum(weight >= target[:, None], axis=-1).astype(jnp.uint32) << shift)
+    return t
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      radix_bits: int = 1) -> jax.Array:
+    """Keep the top_k most likely tokens (ties with the k-th too), then the smallest set
+    reaching top_p (vLLM's order). Thresholds found by `largest_threshold`, not a sort of
+    the vocabulary: a full sort per row was most of a filtered sampler's compile on TPUs
+    and of its run time on CPUs."""
     vocab = logits.shape[-1]
-    # Values only, so stability cannot matter: an unstable sort compiles in half the time on
-    # TPUs (a full-vocabulary sort is most of a filtered sampler's compile there).
-    sorted_desc = -jnp.sort(-logits, axis=-1, stable=False)
-    use_k = (top_k > 0)[:, None]
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
-    logits = jnp.where(use_k & (logits < kth), _NEG_INF, logits)
-    sorted_desc = jnp.where(use_k & (jnp.arange(vocab)[None, :] >= top_k[:, None]), _NEG_INF, sorted_desc)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Token i is kept while the mass before it is below top_p (the first always is).
-    # top_p = 1 keeps everything exactly (the running sum can round up to 1 in the tail).
-    keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (top_p >= 1.0)[:, None]
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < threshold, _NEG_INF, logits)
+    keys = ordered_keys(logits)
+    use_k = top_k > 0
+    kth = largest_threshold(keys, jnp.where(use_k, jnp.minimum(top_k, vocab), 1),
+                            radix_bits=radix_bits)
+    logits = jnp.where(use_k[:, None] & (keys < kth[:, None]), _NEG_INF, logits)
+    # Token t is kept while the mass of the tokens above it is below top_p: the last kept
+    # one is the largest key whose tokens at or above it reach top_p. top_p = 1 keeps
+    # everything exactly (the sum can round below 1).
+    probs = jax.nn.softmax(logits, axis=-1)
+    last = largest_threshold(keys, top_p, probs, radix_bits=radix_bits)
+    return jnp.where((top_p < 1.0)[:, None] & (keys < last[:, None]), _NEG_INF, logits)
 
 
 def random_sample(logits: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -248,13 +277,14 @@ def processed_logits(
     return apply_penalties(logits, prompt_mask, output_counts, md)
 
 
-def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode) -> jax.Array:
+def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode,
+                  radix_bits: int = 1) -> jax.Array:
     """The distribution random rows draw from: temperature, then the filters (FILTERED)."""
     is_greedy = md.temperature <= 0.0
     scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
     if mode is SamplerMode.FILTERED:  # each filter is a no-op on rows without it
         scaled = apply_min_p(scaled, md.min_p)
-        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, radix_bits)
     return scaled
 
 
@@ -265,16 +295,18 @@ def sample(
     md: SamplingMetadata,
     mode: SamplerMode = SamplerMode.FILTERED,
     processors: LogitsProcessors | None = None,
+    radix_bits: int = 1,
 ) -> SamplerOutput:
     """Sample one token per row and report logprobs (of the raw model distribution).
 
     `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
+    `radix_bits`: top-k / top-p's threshold search (`largest_threshold`).
     """
     raw_logits = logits
     logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
     sampled = first_argmax(logits)
     if mode is not SamplerMode.GREEDY:
-        scaled = scaled_logits(logits, md, mode)
+        scaled = scaled_logits(logits, md, mode, radix_bits)
         sampled = jnp.where(md.temperature <= 0.0, sampled,
                             random_sample(scaled, md.seeds, md.positions))
     return with_logprobs(raw_logits, sampled, md.logprobs)

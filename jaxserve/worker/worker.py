@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 # With no device memory to profile on the CPU, the KV cache gets this budget
 # unless --kv-cache-memory-bytes says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# Top-k / top-p threshold bits per pass over the vocabulary (sampler.largest_threshold): the
+# CPU is compute-bound there (one compare per pass), a TPU or GPU bandwidth-bound (fewer
+# passes over [rows, vocab], 15 compares each). docs/benchmarks.md has the measurements.
+SAMPLER_RADIX_BITS_CPU, SAMPLER_RADIX_BITS_DEVICE = 1, 4
 
 
 def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
@@ -263,6 +267,7 @@ class Worker:
             record_sampled=not sc.async_scheduling,
             abstract=abstract,
             logprobs_branch=self.platform == "cpu",
+            radix_bits=SAMPLER_RADIX_BITS_CPU if self.platform == "cpu" else SAMPLER_RADIX_BITS_DEVICE,
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

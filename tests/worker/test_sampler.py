@@ -13,6 +13,8 @@ from jaxserve.worker.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    largest_threshold,
+    ordered_keys,
     sample,
 )
 
@@ -77,11 +79,31 @@ def test_penalties_match_numpy(logits) -> None:
     np.testing.assert_allclose(np.asarray(got), np_penalties(logits, prompt_mask, counts, rep, freq, pres), rtol=1e-6, atol=1e-6)
 
 
-def test_top_k_top_p_match_numpy(logits) -> None:
+@pytest.mark.parametrize("radix_bits", [1, 4])
+def test_top_k_top_p_match_numpy(logits, radix_bits: int) -> None:
     top_k = np.array([0, 1, 5, 0, 10, 3], np.int32)
     top_p = np.array([1.0, 1.0, 1.0, 0.5, 0.9, 0.3], np.float32)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    logits = logits.copy()
+    logits[2, :7] = -np.inf  # masked by a processor before the filters
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p),
+                                       radix_bits))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_k_top_p(logits, top_k, top_p)))
+
+
+@pytest.mark.parametrize("radix_bits", [1, 2, 4])
+def test_largest_threshold_is_the_kth_largest_value(radix_bits: int) -> None:
+    """Against a sort: negative and positive values, -inf, zeros of both signs, ties."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 300)).astype(np.float32) * 50
+    x[0, :40] = -np.inf
+    x[1, ::3] = 1.5  # a tie of 100
+    x[2, :50], x[2, 50:60] = 0.0, -0.0
+    x[3] = np.round(x[3])
+    k = np.array([1, 120, 55, 300], np.int32)
+    t = largest_threshold(ordered_keys(jnp.asarray(x)), jnp.asarray(k), radix_bits=radix_bits)
+    want = np.sort(x, axis=-1)[:, ::-1][np.arange(4), k - 1]
+    keys = np.asarray(ordered_keys(jnp.asarray(want)))
+    np.testing.assert_array_equal(np.asarray(t), keys)
 
 
 def test_min_p_matches_numpy(logits) -> None:

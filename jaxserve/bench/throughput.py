@@ -25,6 +25,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-regex", default=None,
                    help="constrain every request to this regex (structured outputs): the grammar "
                         "mask's cost, e.g. '[a-z ]*'")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--output-json", default=None)
     p.add_argument("--step-stats", action="store_true",
                    help="time host work (scheduling, input preparation) and device waits per step")
@@ -43,7 +47,8 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, args.input_len).tolist()}
                for _ in range(args.num_prompts)]
     structured = None if args.structured_regex is None else ("regex", args.structured_regex)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.output_len, ignore_eos=True,
                             structured_outputs=structured)
     # Touch every path once; with a grammar, every batch size too (its masked sampler
     # compiles on first use, which must not land in the measurement).

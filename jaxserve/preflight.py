@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from jaxserve.chips import CHIPS, chip, parse_prices
 from jaxserve.models.model_files import ModelFiles, resolve_model
@@ -34,7 +34,7 @@ from jaxserve.roofline import Row
 from jaxserve.worker.targets import Target, parse_target, supported_targets
 
 if TYPE_CHECKING:
-    from jaxserve.worker.programs import ProgramKind
+    from jaxserve.worker.programs import Program, ProgramKind
 
 # GPU programs must not spill registers (a spill is local-memory traffic in every step).
 GPU_COMPILER_OPTIONS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
@@ -191,19 +191,20 @@ def validate(args: argparse.Namespace) -> tuple[list[Target], Any, ModelFiles, A
 
 def run_preflight(config: Any, target: Target, files: ModelFiles, on_first_use: bool = True,
                   threads: int | None = None, kinds: tuple[ProgramKind, ...] | None = None,
-                  roofline: bool = False) -> PreflightReport:
+                  roofline: bool = False, only: Callable[[Program], bool] | None = None
+                  ) -> PreflightReport:
     """Size the cache and compile every program for `target` (the JAX part); `threads`
     compiles at once for a GPU (default: one per CPU core, at most 4); `kinds` keeps only
-    programs of those kinds ("forward", "sample", ...)."""
+    programs of those kinds ("forward", "sample", ...), `only` those it is true of."""
     from jaxserve.worker.programs import without_persistent_cache
 
     with without_persistent_cache():
-        return _run(config, target, files, on_first_use, threads, kinds, roofline)
+        return _run(config, target, files, on_first_use, threads, kinds, roofline, only)
 
 
 def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
          threads: int | None, kinds: tuple[ProgramKind, ...] | None,
-         roofline: bool = False) -> PreflightReport:
+         roofline: bool = False, only: Callable[[Program], bool] | None = None) -> PreflightReport:
     import jax
 
     from jaxserve.engine.resolve import resolve_engine_config
@@ -246,7 +247,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
         report.error = f"a sizing program failed to compile: {' '.join(str(e).split())[:800]}"
         return report
     runner = worker.make_runner(report.memory.num_pages, abstract=True)
-    programs = [p for p in runner.programs(on_first_use) if kinds is None or p.kind in kinds]
+    programs = [p for p in runner.programs(on_first_use)
+                if (kinds is None or p.kind in kinds) and (only is None or only(p))]
     m = report.memory
     for program, c in zip(programs, compile_programs(programs, options, threads)):
         if isinstance(c, BaseException):
@@ -306,7 +308,7 @@ def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
     """--programs: comma-separated kinds (ValueError naming the known ones)."""
     if not value:
         return None
-    from jaxserve.worker.programs import ProgramKind
+    from jaxserve.worker.programs import Program, ProgramKind
 
     known = [k.value for k in ProgramKind]
     unknown = [k for k in value.split(",") if k not in known]

@@ -66,10 +66,11 @@ def _assert_clean(report) -> None:
 
 # Pages given: no sizing compiles, for the tests about what compiles rather than what fits.
 FIXED_CACHE = ["--num-gpu-blocks-override", "512"]
-# The default model's decode steps on v5e:2x2 -tp 2 read 4.6x (batch 1) and 5.2x (batch 2) the
-# ideal bytes as XLA counts them (docs/benchmarks.md, "Compiled bytes against the ideal"): a
-# ratchet, not the issue's target of 1.25x.
-BYTES_OVER_IDEAL_V5E_TP2 = 5.5
+# The default model's decode steps on v5e:2x2 -tp 2 read 4.5x (batch 1) and 5.0x (batch 2) the
+# ideal bytes as XLA counts them, mostly on-chip prefetches counted on both sides
+# (docs/benchmarks.md, "Compiled bytes against the ideal"): a ratchet, not the issue's 1.25x,
+# which test_llama3_8b_decode_reads_near_the_ideal holds at 8B shapes.
+BYTES_OVER_IDEAL_V5E_TP2 = 5.25
 SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs, pooling) on v6e
 
@@ -182,6 +183,35 @@ def test_llama3_8b_with_tensor_parallelism_fits_v5e_2x2(llama3_8b: str) -> None:
     m = report.memory
     assert 3.7 * 2**30 < m.weight_bytes < 3.9 * 2**30
     assert m.max_concurrent_seqs >= 1 and m.kv_bytes_per_token == 32 * 2 * 2 * 128 * 2  # 2 of 8 heads
+
+
+@pytest.mark.parametrize("target", ["v6e:1x1", "tpu7x:1x1"])
+def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> None:
+    """Issue 45's bound at 8B shapes, decode batch 16 at 1k: the compiled step (an unrolled
+    copy of the forward, the kernel's plan, the greedy sampler) reads at most 1.25x the ideal
+    bytes, and the scanned forward's temp is at most 2% of the weights (tpu7x once copied the
+    whole layer stack each step). Only the programs those take are compiled (CI's time)."""
+    from jaxserve.preflight import make_parser, run_preflight, validate
+    from jaxserve.worker.programs import ProgramKind
+    from jaxserve.worker.sampler import SamplerMode
+
+    args = make_parser().parse_args([
+        "--model", llama3_8b, "--target", target, "--max-num-seqs", "16",
+        "--max-num-batched-tokens", "16", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "1024"])
+    targets, config, files, _ = validate(args)
+    greedy = (ProgramKind.SAMPLE, SamplerMode.GREEDY, False, False)
+    report = run_preflight(config, targets[0], files, on_first_use=False, roofline=True,
+                           only=lambda p: p.kind is ProgramKind.FORWARD
+                           or (p.group == greedy and p.bucket == 16))
+    assert report.ok and [p.name for p in report.programs] == ["forward[T=16]", "sample[R=16, greedy]"], (
+        report.error, [p.error for p in report.programs])
+    row = next(r for r in report.roofline if (r.program, r.batch, r.context) == ("decode", 16, 1024))
+    print(f"{target} 8B decode 16 x 1k: compiled / ideal bytes {row.compiled_bytes / row.ideal_bytes:.3f}, "
+          f"forward temp {row.temp_bytes / 2**20:.1f} MiB, sampler share {row.sampler_share:.2%}")
+    assert row.compiled_bytes / row.ideal_bytes <= 1.25  # today 1.03 on both
+    assert row.temp_bytes <= 0.02 * report.memory.weight_bytes  # today 1.2 / 65.4 MiB of 15 GiB
+    assert row.sampler_share <= 0.05  # today 0.8%
 
 
 def test_attention_kernels_compile_per_generation() -> None:

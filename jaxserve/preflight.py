@@ -308,7 +308,7 @@ def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:
     """--programs: comma-separated kinds (ValueError naming the known ones)."""
     if not value:
         return None
-    from jaxserve.worker.programs import Program, ProgramKind
+    from jaxserve.worker.programs import ProgramKind
 
     known = [k.value for k in ProgramKind]
     unknown = [k for k in value.split(",") if k not in known]

@@ -143,7 +143,7 @@ class ModelRunner:
             out_shardings=replicated,
         )
         self.admit_program = jax.jit(admit, donate_argnums=(0,))
-        # Device seconds of each (request bucket, mode) sampler program, timed at warm-up:
+        # Device seconds of each (rows bucket, mode, verify, processors) sampler, timed at warm-up:
         # traces split a step's device time into forward and sampler with it.
         self.sample_time_s: dict[tuple[int, SamplerMode, bool, bool], float] = {}
         CompileMonitor.install()
@@ -246,9 +246,10 @@ class ModelRunner:
             args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
                     LogitsProcessors(
                         penalties.stop_mask[rows], penalties.bias_ids[rows],
-                        penalties.bias_values[rows], bitmask, banned_mask=penalties.banned_mask[rows],
-                        bad_prefixes=penalties.bad_prefixes[rows], bad_last=penalties.bad_last[rows],
-                        recent=penalties.recent[rows]))
+                        penalties.bias_values[rows], bitmask,
+                        banned_mask=penalties.banned_mask[rows],
+                        bad_prefixes=penalties.bad_prefixes[rows],
+                        bad_last=penalties.bad_last[rows], recent=penalties.recent[rows]))
         out = (rejection_sample(*args, *drafts, self.radix_bits) if verify
                else sample(*args, self.radix_bits))
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
@@ -435,7 +436,7 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Compile and run once every program `programs(on_first_use=False)` lists, so nothing
         compiles while serving: each forward token bucket (all its stages in one pass), each
-        (request bucket, sampler mode) and the admission.
+        (request bucket, sampler mode, with and without processors) and the admission.
 
         Runs each on empty inputs (no sequences: attention loops zero times, writes land in the
         null page, samples on dropped slots): only a call, not `lower().compile()`, fills jit's

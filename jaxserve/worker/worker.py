@@ -267,7 +267,8 @@ class Worker:
             record_sampled=not sc.async_scheduling,
             abstract=abstract,
             logprobs_branch=self.platform == "cpu",
-            radix_bits=SAMPLER_RADIX_BITS_CPU if self.platform == "cpu" else SAMPLER_RADIX_BITS_DEVICE,
+            radix_bits=(SAMPLER_RADIX_BITS_CPU if self.platform == "cpu"
+                        else SAMPLER_RADIX_BITS_DEVICE),
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -166,18 +166,19 @@ def export_step(
     hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), jnp.bfloat16)
     penalties = jax.eval_shape(lambda: runner.penalties)
     assert isinstance(penalties, PenaltyState)
-    sample = jax.jit(runner.sample_fn, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
+    sample = jax.jit(runner.sample_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
     # verify: speculative decoding's rejection sampler (its row buckets, when configured).
     programs = [(runner.request_buckets[-1], False)]
     if runner.verify_buckets:
         programs.append((runner.verify_buckets[-1], True))
-    for (R, verify), mode in itertools.product(programs, SamplerMode):
+    for (R, verify), mode, proc in itertools.product(programs, SamplerMode, (False, True)):
         buf = jax.ShapeDtypeStruct((sampler_packing(R, verify).size,), jnp.int32)
         exp = export.export(sample, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
-            R, mode, verify, stage.params, hidden, last_sampled, penalties, buf)
+            R, mode, verify, proc, stage.params, hidden, last_sampled, penalties, buf)
         problems = check_program(exp, None)
         name = "verify" if verify else "sample"
-        reports.append(Report(f"{name}[R={R}, {mode.value}]", not problems,
+        tag = ", processors" if proc else ""
+        reports.append(Report(f"{name}[R={R}, {mode.value}{tag}]", not problems,
                               "; ".join(problems) or "no host sync, 1 upload"))
     return reports
 

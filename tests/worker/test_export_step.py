@@ -23,8 +23,9 @@ _spec.loader.exec_module(export_step)
 def test_step_exports_device_clean(platform: str, shapes: str) -> None:
     reports = export_step.export_step(shapes, platform)
     assert {r.name.split("[")[0] for r in reports} == {"forward", "sample", "verify"}
-    # Two token buckets; three sampler modes, plain and verifying drafts (speculative decoding).
-    assert len(reports) == 2 + 3 + 3
+    # Two token buckets; three sampler modes without and with the penalties and processors,
+    # plain and verifying drafts (speculative decoding).
+    assert len(reports) == 2 + 3 * 2 + 3 * 2
     for r in reports:
         assert r.ok, f"{r.name}: {r.detail}"
 
@@ -32,7 +33,7 @@ def test_step_exports_device_clean(platform: str, shapes: str) -> None:
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_int8_weights_and_fp8_cache_export_device_clean(platform: str) -> None:
     reports = export_step.export_step("default", platform, quantization="int8", kv_cache_dtype="fp8")
-    assert len(reports) == 2 + 3 + 3
+    assert len(reports) == 2 + 3 * 2 + 3 * 2
     for r in reports:
         assert r.ok, f"{r.name}: {r.detail}"
 

@@ -24,7 +24,6 @@ tokens are all known does not wait for the previous step's sampler (pipeline mic
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
@@ -45,7 +44,7 @@ from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buc
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
 from jaxserve.worker.programs import Program, ProgramKind, abstract as abstract_tree, runner_programs
-from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, with_sampled
+from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, after_sampling
 from jaxserve.worker.pooler import Pooler, pool_sums
 from jaxserve.worker.rejection_sampler import rejection_sample
 from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
@@ -54,12 +53,7 @@ from jaxserve.worker.step_handle import (CompileMonitor, PreparedStep, PromptLog
                                          StepFacts, StepHandle, host_array,
                                          prompt_logprobs_output, sampled_output)
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.worker.sampler import (
-    LogitsProcessors,
-    SamplerMode,
-    SamplingMetadata,
-    sample,
-)
+from jaxserve.worker.sampler import SamplerMode, SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
@@ -228,42 +222,32 @@ class ModelRunner:
 
     def sample_fn(self, num_rows: int, mode: SamplerMode, verify: bool, processors: bool, params,
                   hidden, last_sampled, penalties: PenaltyState, buf, bitmask=None):
-        """`processors`: some row has a penalty or logits processor (sampler.needs_processors);
-        without, no per-slot [vocab] state is read or updated (no row of the step reads it)."""
+        """`processors`: some row has a penalty or logits processor (needs_processors); else
+        no per-slot [vocab] state is read or updated."""
         u = sampler_packing(num_rows, verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
         drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
         wanted = u.pop("logprobs")
         md = SamplingMetadata(**u, logprobs=wanted if self.logprobs_branch else None)
-        # The barrier keeps the row slice out of the LM head's GEMM fusion: XLA's Triton GEMM
-        # emitter fails on a fused one-row slice (R = 1 on H100/H200: "Reshape input and output
-        # shapes must be the same, got 1x16 -> 16x8"). An identity: the logits are the same.
+        # An identity barrier: XLA's Triton GEMM emitter fails on a one-row slice fused into
+        # the LM head (R = 1 on H100/H200: "Reshape input and output shapes must be the same")
         rows = jax.lax.optimization_barrier(hidden[:num_rows])
         logits = self.model.apply(params, rows, method=LlamaForCausalLM.compute_logits)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
         args: tuple[Any, ...] = (logits, None, None, md, mode, None)
         if processors:
             args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
-                    LogitsProcessors(
-                        penalties.stop_mask[rows], penalties.bias_ids[rows],
-                        penalties.bias_values[rows], bitmask,
-                        banned_mask=penalties.banned_mask[rows],
-                        bad_prefixes=penalties.bad_prefixes[rows],
-                        bad_last=penalties.bad_last[rows], recent=penalties.recent[rows]))
+                    penalties.processors(rows, bitmask))
         out = (rejection_sample(*args, *drafts, self.radix_bits) if verify
                else sample(*args, self.radix_bits))
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         S = self.max_num_seqs
         last_sampled = last_sampled.at[slots if not verify else jnp.where(out.final, slots, S)
                                        ].set(out.sampled, mode="drop")
-        if processors:
-            counted = jnp.where(real if not verify else real & out.emitted, slots, S)
-            counts = penalties.output_counts.at[counted, out.sampled].add(1, mode="drop")
-            # One token a step per request: in a verification step only a request without
-            # drafts (every request whose bad words read `recent`) is right.
-            recent = with_sampled(penalties.recent, slots, rows, out.sampled,
-                                  real if not verify else real & out.final)
-            penalties = dataclasses.replace(penalties, output_counts=counts, recent=recent)
+        if processors:  # one token a step per request: in a verification step, its final one
+            penalties = after_sampling(penalties, slots, rows, out.sampled,
+                                       real if not verify else real & out.emitted,
+                                       real if not verify else real & out.final)
         return last_sampled, penalties, out
 
     # ---- per step ----------------------------------------------------------------------

@@ -5,6 +5,8 @@ takes its slot and updated by every sampling step."""
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Any
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -32,6 +34,15 @@ class PenaltyState:
     bad_prefixes: jax.Array  # i32[S, W, BAD_PREFIX_LEN]: longer bad words but their last token
     bad_last: jax.Array  # i32[S, W]: their last tokens; V = unused entry
     recent: jax.Array  # i32[S, BAD_PREFIX_LEN]: the latest output tokens, oldest first
+
+    def processors(self, rows: jax.Array, bitmask: jax.Array | None) -> Any:
+        """The sampler's LogitsProcessors for the step's `rows` (slots clipped into range)."""
+        from jaxserve.worker.sampler import LogitsProcessors  # the sampler imports this module
+
+        return LogitsProcessors(self.stop_mask[rows], self.bias_ids[rows], self.bias_values[rows],
+                                bitmask, banned_mask=self.banned_mask[rows],
+                                bad_prefixes=self.bad_prefixes[rows],
+                                bad_last=self.bad_last[rows], recent=self.recent[rows])
 
     @classmethod
     def zeros(cls, num_slots: int, vocab_size: int) -> PenaltyState:
@@ -114,3 +125,14 @@ def with_sampled(recent: jax.Array, slots: jax.Array, rows: jax.Array, sampled: 
     S = recent.shape[0]
     shifted = jnp.concatenate([recent[rows][:, 1:], sampled[:, None]], axis=1)
     return recent.at[jnp.where(took, slots, S)].set(shifted, mode="drop")
+
+
+def after_sampling(penalties: PenaltyState, slots: jax.Array, rows: jax.Array,
+                   sampled: jax.Array, counted: jax.Array, took: jax.Array) -> PenaltyState:
+    """The state after a step that ran the processors: each row `counted` adds its token to
+    its slot's output counts, each that `took` it appends it to `recent` (padding rows carry
+    an out-of-range slot; their writes are dropped)."""
+    S = penalties.output_counts.shape[0]
+    counts = penalties.output_counts.at[jnp.where(counted, slots, S), sampled].add(1, mode="drop")
+    return dataclasses.replace(penalties, output_counts=counts,
+                               recent=with_sampled(penalties.recent, slots, rows, sampled, took))

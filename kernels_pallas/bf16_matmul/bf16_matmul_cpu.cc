@@ -13,7 +13,8 @@
 //   bytes of float32 weights is what it buys.
 // Bf16MatmulOnednn (x bf16): many tokens, through oneDNN's matmul (bf16 x bf16 with float32
 //   accumulation on the CPU's bf16 units: AVX512-BF16 or AMX), when built with
-//   KERNELS_PALLAS_ONEDNN and linked against oneDNN (Debian's libdnnl-dev).
+//   KERNELS_PALLAS_ONEDNN and linked against oneDNN 3 (the package index's onednn-cpu-gomp,
+//   a dependency of jaxserve on x86-64 Linux).
 // Bf16MatmulOnednnPacked (x bf16): the same product on weights reordered once, at load, into
 //   the blocked layout oneDNN's matmul picks for them (`bf16_matmul_onednn_pack`): each call
 //   then reads them as they are instead of repacking the plain [N, K] rows into that layout
@@ -147,8 +148,7 @@ void onednn_matmul(const void* x, const dnnl::memory::desc& wm, const uint16_t* 
   const auto key = std::make_tuple(M, K, N, packed);
   auto it = primitives.find(key);
   if (it == primitives.end())
-    it = primitives.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(
-                                     dnnl::matmul::desc(xm, wm, ym), engine()))).first;
+    it = primitives.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(engine(), xm, wm, ym))).first;
   dnnl::memory xmem(xm, engine(), const_cast<void*>(x));
   dnnl::memory wmem(wm, engine(), const_cast<uint16_t*>(w));
   dnnl::memory ymem(ym, engine(), y);
@@ -208,7 +208,7 @@ const PackedLayout& packed_layout(int64_t K, int64_t N) {
     const dnnl::memory::desc xm({kPackRows, K}, dt::bf16, tag::ab), wm({K, N}, dt::bf16, tag::any),
         ym({kPackRows, N}, dt::f32, tag::ab);
     const dnnl::memory::desc md =
-        dnnl::matmul::primitive_desc(dnnl::matmul::desc(xm, wm, ym), engine()).weights_desc();
+        dnnl::matmul::primitive_desc(engine(), xm, wm, ym).weights_desc();
     it = layouts.emplace(std::make_pair(K, N), PackedLayout{md, blocked_layout(md, K, N)}).first;
   }
   return it->second;
@@ -218,7 +218,7 @@ dnnl::matmul::primitive_desc packed_primitive_desc(int64_t M, int64_t K, int64_t
   using tag = dnnl::memory::format_tag;
   using dt = dnnl::memory::data_type;
   const dnnl::memory::desc xm({M, K}, dt::bf16, tag::ab), ym({M, N}, dt::f32, tag::ab);
-  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(xm, packed_layout(K, N).md, ym), engine());
+  return dnnl::matmul::primitive_desc(engine(), xm, packed_layout(K, N).md, ym);
 }
 
 // Few tokens on packed weights, when the layout is oneDNN's "BA16a<B>b2a" (what its brgemm
@@ -400,6 +400,41 @@ extern "C" int bf16_matmul_onednn_impl(int64_t M, int64_t K, int64_t N, char* bu
     return -1;
   }
 }
+
+// The instruction set oneDNN's kernels use here (the CPU's, within ONEDNN_MAX_CPU_ISA and what
+// the OS grants: AMX needs the kernel's permission, which oneDNN requests).
+dnnl::cpu_isa onednn_isa() { return dnnl::get_effective_cpu_isa(); }
+
+// Whether that instruction set has bf16 arithmetic (AVX512-BF16, or AMX, which implies it);
+// without it oneDNN emulates bf16 and float32 XLA is as fast. The ISA values are bit sets,
+// each holding the ones below it.
+extern "C" int bf16_matmul_onednn_native() {
+  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (static_cast<unsigned>(onednn_isa()) & bf16) == bf16;
+}
+
+// "oneDNN 3.2.0 on avx512_core_amx": what start-up reports. 0 on success.
+extern "C" int bf16_matmul_onednn_describe(char* buf, int64_t len) {
+  using isa = dnnl::cpu_isa;
+  const char* name = "an unnamed instruction set";
+  switch (onednn_isa()) {
+    case isa::sse41: name = "sse41"; break;
+    case isa::avx: name = "avx"; break;
+    case isa::avx2: name = "avx2"; break;
+    case isa::avx2_vnni: name = "avx2_vnni"; break;
+    case isa::avx2_vnni_2: name = "avx2_vnni_2"; break;
+    case isa::avx512_core: name = "avx512_core"; break;
+    case isa::avx512_core_vnni: name = "avx512_core_vnni"; break;
+    case isa::avx512_core_bf16: name = "avx512_core_bf16"; break;
+    case isa::avx512_core_fp16: name = "avx512_core_fp16"; break;
+    case isa::avx512_core_amx: name = "avx512_core_amx"; break;
+    case isa::avx512_core_amx_fp16: name = "avx512_core_amx_fp16"; break;
+    default: break;
+  }
+  const dnnl::version_t* v = dnnl::version();
+  std::snprintf(buf, len, "oneDNN %d.%d.%d on %s", v->major, v->minor, v->patch, name);
+  return 0;
+}
 #endif
 
 extern "C" int bf16_matmul_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
@@ -408,8 +443,3 @@ extern "C" int bf16_matmul_cpu_supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// Whether oneDNN's CPU has bf16 arithmetic worth using (AVX512-BF16 or AMX); without it
-// oneDNN emulates bf16 and float32 XLA is as fast.
-extern "C" int bf16_matmul_onednn_native() {
-  return __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
-}

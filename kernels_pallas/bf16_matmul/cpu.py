@@ -1,8 +1,9 @@
 """Build, load and call the C++ CPU bf16 matmuls (`bf16_matmul_cpu.cc`, XLA FFI handlers).
 
-Built on first use by `kernels_pallas.cpu_build`: with oneDNN (`-ldnnl`, Debian's
-libdnnl-dev) when its headers and library are found, else without, and then only the
-few-token kernel exists. `available()` / `onednn_available()` say what loaded, and why not
+Built on first use by `kernels_pallas.cpu_build`: with oneDNN 3 from the package index
+(`onednn-cpu-gomp` and its headers `onednn-devel-cpu-gomp`, jaxserve's dependencies on x86-64
+Linux; `onednn_paths`) when they are installed, else without, and then only the few-token
+kernel exists. `available()` / `onednn_available()` say what loaded, and why not
 (`unavailable_reason()`, `onednn_unavailable_reason()`); callers use the XLA reference for
 what is missing. With oneDNN: `pack` reorders weights into its blocked layout at load, and
 `bf16_matmul_onednn_packed` multiplies by them (the AVX512-BF16 few-token kernel, or oneDNN).
@@ -11,7 +12,7 @@ what is missing. With oneDNN: `pack` reorders weights into its blocked layout at
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import importlib.metadata
 import math
 import os
 from pathlib import Path
@@ -28,6 +29,11 @@ ONEDNN_TARGET = "kernels_pallas_bf16_matmul_onednn"
 ONEDNN_PACKED_TARGET = "kernels_pallas_bf16_matmul_onednn_packed"
 FLAGS = ("-mavx2", "-mfma")
 ONEDNN_FLAGS = ("-DKERNELS_PALLAS_ONEDNN",)
+# oneDNN's CPU-only build with GNU OpenMP: its library and its headers, as pyproject.toml pins
+# them. (The index's `onednn` package is the SYCL build: 600 MB of GPU runtimes with it.)
+ONEDNN_LIBRARY = ("onednn-cpu-gomp", "libdnnl.so.3")
+ONEDNN_HEADERS = ("onednn-devel-cpu-gomp", "oneapi/dnnl/dnnl.hpp")
+ONEDNN_INSTALL = "pip install onednn-cpu-gomp onednn-devel-cpu-gomp"
 # The kernel's vector loop takes 32 inputs at a time.
 K_MULTIPLE = 32
 
@@ -43,6 +49,25 @@ def quiet_openmp_threads() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", "0")
 
 
+def _installed_file(dist: str, suffix: str) -> Path:
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"no oneDNN: {dist} is not installed ({ONEDNN_INSTALL})") from None
+    for f in files:
+        if str(f).endswith(suffix):
+            return Path(importlib.metadata.distribution(dist).locate_file(f)).resolve()
+    raise RuntimeError(f"no oneDNN: {dist} has no {suffix} ({ONEDNN_INSTALL})")
+
+
+def onednn_paths() -> tuple[Path, Path]:
+    """oneDNN's include and library directories, from the installed packages (raises
+    RuntimeError saying what to install)."""
+    header = _installed_file(*ONEDNN_HEADERS)
+    library = _installed_file(*ONEDNN_LIBRARY)
+    return header.parents[2], library.parent
+
+
 class _Library(cpu_build.FfiLibrary):
     """The kernel library, with oneDNN's matmul in it when the build finds oneDNN."""
 
@@ -52,39 +77,48 @@ class _Library(cpu_build.FfiLibrary):
                          fallback="using XLA's matmul")
         self.onednn = False
         self.onednn_reason: str | None = None
-        self.lib: ctypes.CDLL | None = None  # for the packing functions, once oneDNN loaded
+        self.lib: ctypes.CDLL | None = None  # linked with oneDNN (native or not): its C functions
+        self.onednn_description: str | None = None  # "oneDNN 3.2.0 on avx2"
 
     def build(self) -> tuple[Path, bool]:
         headers = [cpu_build.INCLUDE_DIR / "cpu_kernels.h"]
         # Only failed builds are not cached: without oneDNN, skip the attempt at every start-up.
-        if ctypes.util.find_library("dnnl") is None:
-            self.onednn_reason = "no oneDNN library (apt-get install libdnnl-dev)"
-        else:
-            try:
-                path = cpu_build.build("bf16_matmul_onednn", SOURCE, FLAGS + ONEDNN_FLAGS, ["-ldnnl"],
-                                       headers)
-                quiet_openmp_threads()
-                return path, True
-            except RuntimeError as e:
-                self.onednn_reason = f"no oneDNN to build against (apt-get install libdnnl-dev): {str(e)[-300:]}"
+        try:
+            include, lib = onednn_paths()
+            # Its version header in the cache key: an upgraded oneDNN rebuilds; rpath: the
+            # library is found where pip put it, with no LD_LIBRARY_PATH.
+            path = cpu_build.build("bf16_matmul_onednn", SOURCE, (*FLAGS, *ONEDNN_FLAGS, f"-I{include}"),
+                                   [f"-L{lib}", f"-l:{ONEDNN_LIBRARY[1]}", f"-Wl,-rpath,{lib}"],
+                                   [*headers, include / "oneapi" / "dnnl" / "dnnl_version.h"])
+            quiet_openmp_threads()
+            return path, True
+        except RuntimeError as e:
+            self.onednn_reason = str(e)[-400:]
         return cpu_build.build(self.name, SOURCE, FLAGS, headers=headers), False
 
     def registered(self, lib: ctypes.CDLL, optional: bool) -> None:
-        if optional and not lib.bf16_matmul_onednn_native():
-            self.onednn_reason = "this CPU has neither AVX512-BF16 nor AMX (oneDNN would emulate bf16)"
-        elif optional:
-            for target, handler in ((ONEDNN_TARGET, lib.Bf16MatmulOnednn),
-                                    (ONEDNN_PACKED_TARGET, lib.Bf16MatmulOnednnPacked)):
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-            lib.bf16_matmul_onednn_packed_elements.restype = ctypes.c_int64
-            lib.bf16_matmul_onednn_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
-            lib.bf16_matmul_onednn_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                                    ctypes.c_int64, ctypes.c_int64]
-            lib.bf16_matmul_packed_few_token_kernel.argtypes = [ctypes.c_int64, ctypes.c_int64]
-            lib.bf16_matmul_avx512_bf16.argtypes = []
-            lib.bf16_matmul_onednn_impl.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64]
-            self.lib = lib
-            self.onednn = True
+        if not optional:
+            return
+        # Registered wherever oneDNN is linked; callers use them only where bf16 is native.
+        for target, handler in ((ONEDNN_TARGET, lib.Bf16MatmulOnednn),
+                                (ONEDNN_PACKED_TARGET, lib.Bf16MatmulOnednnPacked)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+        lib.bf16_matmul_onednn_describe.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+        lib.bf16_matmul_onednn_packed_elements.restype = ctypes.c_int64
+        lib.bf16_matmul_onednn_packed_elements.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.bf16_matmul_onednn_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_int64, ctypes.c_int64]
+        lib.bf16_matmul_packed_few_token_kernel.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.bf16_matmul_avx512_bf16.argtypes = []
+        lib.bf16_matmul_onednn_impl.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64]
+        buf = ctypes.create_string_buffer(128)
+        lib.bf16_matmul_onednn_describe(buf, len(buf))
+        self.onednn_description = buf.value.decode()
+        self.lib = lib
+        self.onednn = bool(lib.bf16_matmul_onednn_native())
+        if not self.onednn:
+            self.onednn_reason = (f"{self.onednn_description}: this CPU has neither AVX512-BF16 nor AMX "
+                                  "(oneDNN would emulate bf16)")
 
 
 _LIBRARY = _Library()
@@ -99,6 +133,17 @@ def available() -> bool:
 def onednn_available() -> bool:
     """Whether oneDNN's bf16 matmul is built, registered, and native on this CPU."""
     return _LIBRARY.available() and _LIBRARY.onednn
+
+
+def onednn_linked() -> bool:
+    """Whether the library was built with oneDNN, whether or not its bf16 is native here."""
+    return _LIBRARY.available() and _LIBRARY.lib is not None
+
+
+def onednn_description() -> str | None:
+    """"oneDNN 3.2.0 on avx512_core_amx": the version linked and the instruction set its
+    kernels use here (None: not linked)."""
+    return _LIBRARY.onednn_description if onednn_linked() else None
 
 
 def unavailable_reason() -> str | None:
@@ -145,6 +190,8 @@ def bf16_matmul_onednn(x: jax.Array, weight: jax.Array, layer: jax.Array) -> jax
 
 
 def _onednn_lib() -> ctypes.CDLL:
+    """The library's C functions where oneDNN's bf16 is native (elsewhere a forced oneDNN
+    path is a ValueError: without bf16 units oneDNN 3 has no bf16 matmul, or emulates it)."""
     if not onednn_available() or _LIBRARY.lib is None:
         raise ValueError(f"oneDNN's bf16 matmul is not available: {onednn_unavailable_reason()}")
     return _LIBRARY.lib

@@ -30,6 +30,31 @@ def test_kernel_builds_here():
     assert cpu.available(), cpu.unavailable_reason()
 
 
+def test_onednn_comes_with_the_install_and_says_what_runs():
+    # No apt package: `pip install -e .` brings oneDNN 3 and its headers on x86-64 Linux, and
+    # the kernel links it from there on every CPU; its bf16 is used where the CPU has the units.
+    include, lib = cpu.onednn_paths()
+    assert (include / "oneapi" / "dnnl" / "dnnl.hpp").is_file() and (lib / "libdnnl.so.3").is_file()
+    assert cpu.onednn_linked(), cpu.onednn_unavailable_reason()
+    description = cpu.onednn_description()
+    assert description.startswith("oneDNN 3."), description
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert cpu.onednn_available() == native, (description, cpu.onednn_unavailable_reason())
+    if not native:  # the reason names the CPU's instruction set, and a forced path is a clear error
+        assert "neither AVX512-BF16 nor AMX" in cpu.onednn_unavailable_reason()
+        x, w = operands(32, 64, 64)
+        with pytest.raises(ValueError, match="onednn bf16 matmul cannot run here"):
+            bf16_matmul(x, w, backend="onednn")
+
+
+def test_missing_onednn_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(cpu, "ONEDNN_HEADERS", ("onednn-devel-not-installed", "oneapi/dnnl/dnnl.hpp"))
+    with pytest.raises(RuntimeError, match="pip install onednn-cpu-gomp onednn-devel-cpu-gomp"):
+        cpu.onednn_paths()
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33])
 def test_kernel_is_the_float32_product_of_the_bf16_weights(m: int):
     x, w = operands(m, 200, 576, layers=3)  # N not a multiple of the row chunk: a ragged tail

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +51,20 @@ def test_onednn_comes_with_the_install_and_says_what_runs():
         x, w = operands(32, 64, 64)
         with pytest.raises(ValueError, match="onednn bf16 matmul cannot run here"):
             bf16_matmul(x, w, backend="onednn")
+
+
+def test_a_cpu_without_bf16_units_falls_back_with_its_reason():
+    # oneDNN's own cap on its instruction set stands in for an older CPU (an AVX2-only EPYC):
+    # the kernel still builds and links, oneDNN reports avx2, and nothing takes its bf16 path.
+    code = ("from kernels_pallas.bf16_matmul import cpu, packing_available; "
+            "print(cpu.available(), cpu.onednn_available(), packing_available()); "
+            "print(cpu.onednn_unavailable_reason())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    flags, reason = run.stdout.strip().splitlines()[-2:]
+    assert flags == "True False False", run.stdout
+    assert reason.startswith("oneDNN 3.") and "on avx2: this CPU has neither AVX512-BF16 nor AMX" in reason
 
 
 def test_missing_onednn_package_says_what_to_install(monkeypatch):

@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0,
                         help="prompt tokens already in each sequence (long-context decode)")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true",
+                        help="trace new prompts (the warm-up's would hit the prefix cache): the prefill's ops")
     parser.add_argument("--quantization", "-q", default=None, help="int8 or bf16 weights")
     args = parser.parse_args()
 
@@ -102,14 +104,16 @@ def main() -> None:
     prompt_len = max(args.input_len, args.context)
     llm = LLM(args.model, max_num_seqs=args.num_seqs, max_model_len=prompt_len + 2 * args.output_len + 16,
               quantization=args.quantization)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * s) % 4000 + 100 for i in range(prompt_len)]}
-               for s in range(args.num_seqs)]
+    def prompts(offset: int) -> list[dict]:
+        return [{"prompt_token_ids": [(7 * i + 13 * s + offset) % 4000 + 100 for i in range(prompt_len)]}
+                for s in range(args.num_seqs)]
+
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, greedy, use_tqdm=False)  # warm-up (and the prefix cache)
+    llm.generate(prompts(0), greedy, use_tqdm=False)  # warm-up (and the prefix cache)
     out_dir = tempfile.mkdtemp(prefix="jaxserve-profile-")
     t0 = time.perf_counter()
     with jax.profiler.trace(out_dir):
-        llm.generate(prompts, greedy, use_tqdm=False)
+        llm.generate(prompts(1 if args.prefill else 0), greedy, use_tqdm=False)
     wall = time.perf_counter() - t0
     llm.shutdown()
     print("trace:", out_dir)

@@ -402,7 +402,7 @@ extern "C" int bf16_matmul_onednn_impl(int64_t M, int64_t K, int64_t N, char* bu
 }
 
 // The instruction set oneDNN's kernels use here (the CPU's, within ONEDNN_MAX_CPU_ISA and what
-// the OS grants: AMX needs the kernel's permission, which oneDNN requests).
+// the OS grants: AMX needs Linux's permission, which oneDNN requests).
 dnnl::cpu_isa onednn_isa() { return dnnl::get_effective_cpu_isa(); }
 
 // Whether that instruction set has bf16 arithmetic (AVX512-BF16, or AMX, which implies it);

@@ -51,12 +51,12 @@ def quiet_openmp_threads() -> None:
 
 def _installed_file(dist: str, suffix: str) -> Path:
     try:
-        files = importlib.metadata.distribution(dist).files or []
+        found = importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
         raise RuntimeError(f"no oneDNN: {dist} is not installed ({ONEDNN_INSTALL})") from None
-    for f in files:
+    for f in found.files or []:
         if str(f).endswith(suffix):
-            return Path(importlib.metadata.distribution(dist).locate_file(f)).resolve()
+            return Path(found.locate_file(f)).resolve()
     raise RuntimeError(f"no oneDNN: {dist} has no {suffix} ({ONEDNN_INSTALL})")
 
 

@@ -87,14 +87,14 @@ class FfiLibrary:
     when several threads trace at once."""
 
     def __init__(self, name: str, source: Path, flags: Sequence[str], handlers: dict[str, str],
-                 supported: str, what: str, fallback: str) -> None:
+                 supported: str, what: str, fallback: str, requires: str = "AVX2/FMA") -> None:
         """`handlers`: FFI target name -> the library's handler symbol; `supported`: a C
-        function of the library returning nonzero when this CPU has AVX2 and FMA (what every
-        kernel is built for); `what` and `fallback` word the warning ("CPU {what}
+        function of the library returning nonzero when this CPU has `requires` (what the
+        kernel executes); `what` and `fallback` word the warning ("CPU {what}
         unavailable, {fallback}: why")."""
         self.name, self.source, self.flags = name, source, tuple(flags)
         self.handlers, self.supported = handlers, supported
-        self.what, self.fallback = what, fallback
+        self.what, self.fallback, self.requires = what, fallback, requires
         self._lib: ctypes.CDLL | None = None
         self._reason: str | None = None
         self._tried = False
@@ -116,7 +116,7 @@ class FfiLibrary:
                     path, optional = self.build()
                     lib = ctypes.CDLL(str(path))
                     if not getattr(lib, self.supported)():
-                        raise RuntimeError("this CPU lacks AVX2/FMA")
+                        raise RuntimeError(f"this CPU lacks {self.requires}")
                     for target, symbol in self.handlers.items():
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                                     platform="cpu")

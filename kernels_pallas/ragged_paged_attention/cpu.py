@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.ragged_paged_attention import _decode_cpu
+from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu
 from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, gqa_layout
 from kernels_pallas.kv_cache import kv_cache_values
 from kernels_pallas.registry import register_backend
@@ -174,6 +174,7 @@ def ragged_paged_attention(
     kv_cache_dtype: str = "auto",
     plan: AttentionPlan | None = None,
     decode_kernel: str = "auto",
+    prefill_kernel: str = "auto",
     **tuning,
 ) -> jax.Array:
     """Ragged paged attention (layout: reference.py) with O(context) memory traffic.
@@ -182,7 +183,8 @@ def ragged_paged_attention(
     `decode_pages_per_block`, `decode_items`, and `sliding_window`. `plan` is this step's
     `make_plan(...)` (made here when not given). `decode_kernel`: "auto" runs the decode rows
     through the C++ kernel (`decode_cpu.cc`) where it loads and takes the cache, "xla" keeps
-    them in the XLA loop (its oracle). Returns `[num_tokens, num_q_heads, head_dim]` in
+    them in the XLA loop (its oracle); `prefill_kernel` likewise for the prefill rows
+    (`prefill_cpu.cc`, AVX-512). Returns `[num_tokens, num_q_heads, head_dim]` in
     `q.dtype`, zeros on padding rows.
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
@@ -222,11 +224,13 @@ def ragged_paged_attention(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    if decode_kernel not in ("auto", "xla"):
-        raise ValueError(f"decode_kernel must be 'auto' or 'xla', not {decode_kernel!r}")
+    for name, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
+        if value not in ("auto", "xla"):
+            raise ValueError(f"{name} must be 'auto' or 'xla', not {value!r}")
+    scaled = k_scale is not None or v_scale is not None
     use_kernel = decode_kernel == "auto" and _decode_cpu.why_not(
         num_q_heads, num_kv_heads, head_dim, page_size, kv_pages.dtype, kv_cache_dtype,
-        k_scale is not None or v_scale is not None) is None
+        scaled) is None
     if use_kernel:
         rows = _decode_cpu.paged_decode_attention(
             qf[plan.row_token].reshape(-1, num_q_heads, head_dim), kv_pages, page_indices,
@@ -236,8 +240,16 @@ def ragged_paged_attention(
     else:
         out = _decode(qf, plan, tn, read_keys, scores, mask_value)
     if num_tokens > tn.decode_q_len:  # else every real row is a decode row
-        out = jnp.where(plan.decode_token[:, None, None, None], out,
-                        _prefill(qf, plan, tn, read_keys, scores, mask_value))
+        if prefill_kernel == "auto" and _prefill_cpu.why_not(
+                head_dim, kv_pages.dtype, kv_cache_dtype, scaled) is None:
+            prefill = _prefill_cpu.paged_prefill_attention(
+                qf.reshape(num_tokens, num_q_heads, head_dim), kv_pages, page_indices, plan.cu,
+                plan.q_lens, plan.kv_lens, sm_scale=sm_scale, soft_cap=soft_cap,
+                sliding_window=tn.sliding_window, decode_q_len=tn.decode_q_len,
+                block_q=tn.block_q).reshape(qf.shape)
+        else:
+            prefill = _prefill(qf, plan, tn, read_keys, scores, mask_value)
+        out = jnp.where(plan.decode_token[:, None, None, None], out, prefill)
     out = jnp.where(plan.valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
@@ -354,8 +366,8 @@ register_backend(
     description="prefill: XLA loops, blocks that read their keys once; decode: a C++ kernel "
                 "reading each token's own pages in place (the XLA loop of (token, key block) "
                 "items where it cannot); the CPU serving path",
-    # The first runs the decode rows through the C++ kernel, the second through the XLA loop.
+    # The first runs the rows through the C++ kernels, the second through the XLA loops.
     test_tuning=({}, {"block_q": 4, "pages_per_block": 1, "decode_pages_per_block": 1,
-                      "decode_items": 3, "decode_kernel": "xla"}),
+                      "decode_items": 3, "decode_kernel": "xla", "prefill_kernel": "xla"}),
     reads_kv_bits=True,
 )

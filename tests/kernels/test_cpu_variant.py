@@ -1,7 +1,9 @@
 """The CPU variant's own work split, beyond the shared parametrized test: its decode path
 with several query tokens per sequence, one-token steps, long contexts beside short ones,
 and a plan built once and shared by several calls (as the model's layers share it). Each
-decode case runs through both decode paths: the C++ kernel (decode_cpu.cc) and the XLA loop."""
+decode case runs through both decode paths: the C++ kernel (decode_cpu.cc) and the XLA loop;
+the prefill kernel (prefill_cpu.cc) is checked against the float64 oracle with each of its
+dot types this CPU runs."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels_pallas.ragged_paged_attention import _decode_cpu, cpu
+from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu, cpu
 
 from .batches import make_batch, naive_attention, tolerance
 
@@ -99,3 +101,55 @@ def test_plan_built_once_serves_every_call() -> None:
     with_plan = cpu.ragged_paged_attention(*batch.args, sm_scale=0.125, plan=plan)
     without = cpu.ragged_paged_attention(*batch.args, sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(with_plan), np.asarray(without))
+
+
+def test_the_prefill_kernel_loads_where_the_cpu_has_avx512() -> None:
+    """AVX-512 CPUs run it; an AVX2-only one keeps the XLA loop and says why (no SIGILL)."""
+    flags = open("/proc/cpuinfo").read().split()
+    if "avx512f" in flags and "avx512bw" in flags and "avx512vl" in flags and "avx512dq" in flags:
+        assert _prefill_cpu.available(), _prefill_cpu.unavailable_reason()
+        assert _prefill_cpu.bf16_dots(BF16) == ("avx512_bf16" in flags)
+    else:
+        assert not _prefill_cpu.available()
+        assert "AVX-512" in _prefill_cpu.unavailable_reason()
+    assert not _prefill_cpu.bf16_dots(np.float32)
+
+
+def _prefill_dots() -> list:
+    if not _prefill_cpu.available():
+        return [pytest.param(None, marks=pytest.mark.skip(reason=_prefill_cpu.unavailable_reason()))]
+    return [(np.float32, "float32"), (BF16, "float32")] + (
+        [(BF16, "bfloat16")] if _prefill_cpu.bf16_dots(BF16) else [])
+
+
+@pytest.mark.parametrize("cache_dots", _prefill_dots(), ids=lambda c: c and
+                         f"{np.dtype(c[0]).name}-cache-{c[1]}-dots")
+@pytest.mark.parametrize("page_size,num_q_heads,num_kv_heads,head_dim,window,soft_cap", [
+    (16, 9, 3, 64, None, None), (8, 8, 1, 128, 45, None), (32, 4, 4, 64, 70, 5.0)])
+def test_prefill_kernel(cache_dots, page_size: int, num_q_heads: int, num_kv_heads: int,
+                        head_dim: int, window: int | None, soft_cap: float | None) -> None:
+    """Prompts whole and chunked (q_len < kv_len), several query blocks and 32-key tiles, a
+    window starting inside a tile, decode rows beside them (left 0), GQA groups 1 to 8."""
+    dtype, dots = cache_dots
+    seqs = [(70, 70), (1, 40), (37, 101), (3, 3), (1, 1), (50, 180)]
+    batch = make_batch(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, page_size=page_size, dtype=dtype, seed=page_size)
+    plan = cpu.make_plan(batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
+                         num_tokens=batch.q.shape[0], page_size=page_size)
+    got = np.asarray(jax.jit(functools.partial(
+        _prefill_cpu.paged_prefill_attention, sm_scale=0.125, soft_cap=soft_cap,
+        sliding_window=window, decode_q_len=1, block_q=16, dots=dots))(
+        np.asarray(batch.q, np.float32), batch.kv_pages, batch.page_indices, plan.cu,
+        plan.q_lens, plan.kv_lens))
+    want = naive_attention(batch, sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+    prefill = np.asarray(plan.valid & ~plan.decode_token)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[prefill], want[prefill],
+                               **tolerance(np.float32 if dots == "float32" else BF16))
+    assert (got[~prefill] == 0).all()
+    if dots == "float32" and _prefill_cpu.bf16_dots(BF16) is False:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            _prefill_cpu.paged_prefill_attention(
+                batch.q, batch.kv_pages, batch.page_indices, plan.cu, plan.q_lens, plan.kv_lens,
+                sm_scale=0.125, soft_cap=None, sliding_window=None, decode_q_len=1, block_q=16,
+                dots="bfloat16")

@@ -29,7 +29,7 @@ QUANTIZATION_METHODS = ("int8", "bf16")
 CPU_AUTO_BF16_ENV = "JAXSERVE_CPU_AUTO_BF16"
 CPU_PACKED_WEIGHTS_ENV = "JAXSERVE_CPU_PACKED_WEIGHTS"
 LOAD_FORMATS = ("auto", "dummy")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels_pallas.FP8_KV_CACHE_DTYPES
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def check_quantization(method: str | None) -> None:
@@ -393,7 +393,7 @@ class ResolvedConfig:
     weight_format_reason: str  # why (start-up logs it on the CPU)
     attention_backend: str  # the kernel variant (--attention-backend auto resolved)
     max_model_len: int  # --max-model-len, or the model's context length
-    kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype)
+    kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype; bf16 for a CPU's bf16 weights)
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,9 @@ def kv_cache_layout(
         if platform not in PLATFORM_BACKENDS:
             raise ValueError(f"unknown platform {platform!r}; one of {', '.join(PLATFORM_BACKENDS)}")
         backend = PLATFORM_BACKENDS[platform]
-    return KVCacheLayout(num_kv_heads, head_dim, kv_cache_dtype,
-                         packed=get_backend(backend).packed_layout)
+    impl = get_backend(backend)
+    return KVCacheLayout(num_kv_heads, head_dim, kv_cache_dtype, packed=impl.packed_layout,
+                         as_bits=impl.reads_kv_bits and not impl.packed_layout)
 
 
 def kv_cache_shape(
@@ -114,7 +115,8 @@ def ragged_paged_attention(
     `sliding_window`, `soft_cap`, `k_scale`, ...); `plan` is this step's
     `attention_plan(...)` for variants that have one. Without `layout` the cache is a standard
     one, read off its shape; `kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" then says it
-    is uint8 holding those values' bits (vLLM's layout). A cache in the other layout than the
+    is uint8 holding those values' bits (vLLM's layout), "bfloat16" / "float16" with a uint16
+    cache likewise (the layout of the variants that read bits, the CPU's). A cache in the other layout than the
     variant's own is converted whole first (tests, research).
     """
     if plan is not None:
@@ -127,7 +129,7 @@ def ragged_paged_attention(
             kv_pages, layout = convert_cache(kv_pages, layout, packed), packed
         tuning["layout"] = layout
     else:
-        kv_cache_dtype = layout.dtype if layout.is_fp8 else "auto"
+        kv_cache_dtype = layout.dtype if layout.stores_bits else "auto"
         if layout.packed:  # -> standard order, as values (fp8 arrays for fp8)
             kv_pages, kv_cache_dtype = layout.unpack(kv_pages), "auto"
         if impl.reads_kv_bits:

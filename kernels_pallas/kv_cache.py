@@ -4,7 +4,8 @@ A cache is `[num_pages, page_size, *token_shape]` (the model stacks layers in fr
 token's keys and values look like inside its slot is the layout's to say, because each
 platform's kernels want their own:
 
-    standard (CPU, CUDA)   token [2 * num_kv_heads, head_dim] in the value dtype (fp8: uint8 bits)
+    standard (CPU, CUDA)   token [2 * num_kv_heads, head_dim] in the value dtype (fp8: uint8 bits;
+                           bf16 / f16 for the variants that read bits, the CPU's: uint16 bits)
                            rows:  k0 v0 k1 v1 ...   (key of kv head h at row 2h, value at 2h+1)
 
     packed (TPU)           token [R * L] int32 words: "slots" of L lanes, p = 32 // b slots of
@@ -54,16 +55,12 @@ LANES = 128  # TPU vector lanes: a packed row is a multiple of this many words
 
 
 def kv_cache_values(pages: jax.Array, kv_cache_dtype: str = "auto") -> jax.Array:
-    """Cache entries as stored -> their values (fp8 bits in uint8 -> fp8). Gather pages first
-    and convert the gathered block: XLA's CPU backend copies a whole-cache bitcast inside a loop."""
-    fp8 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
-    return pages if fp8 is None else jax.lax.bitcast_convert_type(pages, fp8)
-
-
-def kv_cache_bits(x: jax.Array, kv_cache_dtype: str = "auto") -> jax.Array:
-    """Values to store -> cache entries (-> fp8 -> its bits in uint8 for an fp8 cache)."""
-    fp8 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
-    return x if fp8 is None else jax.lax.bitcast_convert_type(x.astype(fp8), jnp.uint8)
+    """Cache entries as stored -> their values (fp8 bits in uint8 -> fp8, bf16 bits in uint16
+    -> bf16). Gather pages first and convert the gathered block: XLA's CPU backend copies a
+    whole-cache bitcast inside a loop."""
+    if kv_cache_dtype == "auto" or not jnp.issubdtype(pages.dtype, jnp.unsignedinteger):
+        return pages
+    return jax.lax.bitcast_convert_type(pages, KV_VALUE_DTYPES[kv_cache_dtype])
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -89,6 +86,9 @@ class KVCacheLayout:
     head_dim: int
     dtype: str
     packed: bool = False
+    # 16-bit values kept as uint16 bits, for the variants that read bits (`reads_kv_bits`):
+    # XLA's CPU scatter into a bf16 array converts the whole cache to float32 and back.
+    as_bits: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_VALUE_DTYPES:
@@ -113,7 +113,14 @@ class KVCacheLayout:
     def storage_dtype(self) -> Any:
         if self.packed:
             return jnp.dtype(jnp.int32)
-        return jnp.dtype(jnp.uint8) if self.is_fp8 else self.value_dtype
+        if self.is_fp8:
+            return jnp.dtype(jnp.uint8)
+        return jnp.dtype(jnp.uint16) if self.as_bits and self.bits == 16 else self.value_dtype
+
+    @property
+    def stores_bits(self) -> bool:
+        """A standard cache holding its values' bits in unsigned integers (fp8; 16-bit `as_bits`)."""
+        return not self.packed and jnp.issubdtype(self.storage_dtype, jnp.unsignedinteger)
 
     @property
     def bits(self) -> int:
@@ -177,9 +184,8 @@ class KVCacheLayout:
     def pack(self, k: jax.Array, v: jax.Array) -> jax.Array:
         """[T, kvh, D] keys and values -> [T, *token_shape] cache entries."""
         if not self.packed:
-            rows = interleave_kv(k, v)
-            return (kv_cache_bits(rows, self.dtype) if self.is_fp8
-                    else rows.astype(self.storage_dtype))
+            rows = interleave_kv(k, v).astype(self.value_dtype)
+            return jax.lax.bitcast_convert_type(rows, self.storage_dtype) if self.stores_bits else rows
         T, kvh, D = k.shape
         R, p, L = self.num_rows, self.packing, self.slot_lanes
         # [T, slots, L]: k0 v0 k1 v1 ... (split), or [k_h | v_h] per head.
@@ -197,7 +203,7 @@ class KVCacheLayout:
     def unpack(self, entries: jax.Array) -> jax.Array:
         """[..., *token_shape] cache entries -> [..., 2 * kvh, D] values (k0 v0 k1 v1 ...)."""
         if not self.packed:
-            return kv_cache_values(entries, self.dtype) if self.is_fp8 else entries
+            return kv_cache_values(entries, self.dtype) if self.stores_bits else entries
         lead = entries.shape[:-1]
         R, p, L, D, kvh = self.num_rows, self.packing, self.slot_lanes, self.head_dim, self.num_kv_heads
         words = entries.reshape(*lead, R, L)
@@ -213,17 +219,19 @@ class KVCacheLayout:
 
 def standard_layout(kv_pages: Any, kv_cache_dtype: str = "auto") -> KVCacheLayout:
     """The layout of a standard `[num_pages, page_size, 2 * kvh, head_dim]` cache, read off
-    its shape and dtype (`kv_cache_dtype` names fp8 values held in a uint8 cache)."""
+    its shape and dtype (`kv_cache_dtype` names fp8 values held in a uint8 cache, or bf16 /
+    f16 ones in a uint16 cache)."""
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
         raise ValueError(
             f"kv_pages {tuple(kv_pages.shape)} is not a standard cache [num_pages, page_size, "
             "2 * num_kv_heads, head_dim]; pass the cache's layout= for a packed one (what "
             "kernels_pallas.new_kv_cache returns beside the cache, or kv_cache_layout(...))")
-    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+    as_bits = jnp.dtype(kv_pages.dtype) == jnp.uint16 and kv_cache_dtype in ("bfloat16", "float16")
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES or as_bits:
         dtype = kv_cache_dtype
     else:
         dtype = jnp.dtype(kv_pages.dtype).name
-    return KVCacheLayout(kv_pages.shape[2] // 2, kv_pages.shape[3], dtype)
+    return KVCacheLayout(kv_pages.shape[2] // 2, kv_pages.shape[3], dtype, as_bits=as_bits)
 
 
 def convert_cache(kv_pages: jax.Array, src: KVCacheLayout, dst: KVCacheLayout) -> jax.Array:

@@ -140,8 +140,8 @@ class EngineArgs:
         "cache", "KV-cache budget in bytes, e.g. 2GiB (None: on the CPU 2 GiB, elsewhere "
         "--gpu-memory-utilization of the device)", type=human_readable_int))
     kv_cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=cli_arg(
-        "cache", "KV cache values: auto (the model's dtype) or fp8 (= fp8_e4m3) / fp8_e5m2, "
-        "one byte each (k_scale = v_scale = 1.0)", choices=list(KV_CACHE_DTYPES)))
+        "cache", "KV cache values: auto (the model's dtype), bfloat16, or fp8 (= fp8_e4m3) / "
+        "fp8_e5m2, one byte each (k_scale = v_scale = 1.0)", choices=list(KV_CACHE_DTYPES)))
     num_gpu_blocks_override: int | None = field(default=None, metadata=cli_arg(
         "cache", "KV-cache pages, overriding the memory budget", type=int))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=cli_arg(

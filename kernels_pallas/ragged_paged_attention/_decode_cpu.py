@@ -41,10 +41,8 @@ def unavailable_reason() -> str | None:
 def why_not(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
             cache_dtype, kv_cache_dtype: str, scaled: bool) -> str | None:
     """Why the kernel cannot take this call (None: it can)."""
-    if kv_cache_dtype.startswith("fp8") or scaled:
-        return "fp8 / scaled caches take the XLA loop"
-    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"cache must be float32 or bfloat16, not {jnp.dtype(cache_dtype)}"
+    if reason := cache_why_not(cache_dtype, kv_cache_dtype, scaled):
+        return reason
     if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
         return f"GQA group {num_q_heads}/{num_kv_heads} above {MAX_GROUP}"
     if num_kv_heads > MAX_KV_HEADS:
@@ -58,12 +56,26 @@ def why_not(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
     return None
 
 
+def cache_why_not(cache_dtype, kv_cache_dtype: str, scaled: bool) -> str | None:
+    """Why the C++ kernels cannot read this cache: they read float32, bfloat16, and bfloat16
+    bits in uint16 (`kv_cache_dtype` "bfloat16"; kernels_pallas/kv_cache.py)."""
+    if kv_cache_dtype.startswith("fp8") or scaled:
+        return "fp8 / scaled caches take the XLA loop"
+    dtype = jnp.dtype(cache_dtype)
+    if dtype == jnp.uint16 and kv_cache_dtype == "bfloat16":
+        return None
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"cache must be float32 or bfloat16 (or its bits), not {dtype} ({kv_cache_dtype})"
+    return None
+
+
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax.Array,
                            row_seq: jax.Array, row_pos: jax.Array, num_rows: jax.Array, *,
                            sm_scale: float, soft_cap: float | None,
                            sliding_window: int | None) -> jax.Array:
     """q f32 [R, qh, D] (one query row each, at position `row_pos` of sequence `row_seq`),
-    `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 -> f32 [R, qh, D]; rows past
+    `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 (or bf16 bits in uint16) -> f32
+    [R, qh, D]; rows past
     `num_rows` (i32[1]) are zeros."""
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")(

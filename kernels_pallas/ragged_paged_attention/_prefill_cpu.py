@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import cpu_build
+from kernels_pallas.ragged_paged_attention._decode_cpu import cache_why_not
 
 SOURCE = Path(__file__).with_name("prefill_cpu.cc")
 TARGET = "kernels_pallas_paged_prefill_attention_cpu"
@@ -40,18 +41,17 @@ def unavailable_reason() -> str | None:
 
 
 def bf16_dots(cache_dtype) -> bool:
-    """Whether a call over a cache of `cache_dtype` runs bfloat16 dots (else float32)."""
+    """Whether a call over a cache of `cache_dtype` (bfloat16, or its bits in uint16) runs
+    bfloat16 dots (else float32)."""
     lib = _LIBRARY.load()
-    return (lib is not None and jnp.dtype(cache_dtype) == jnp.dtype(jnp.bfloat16)
+    return (lib is not None and jnp.dtype(cache_dtype) in (jnp.bfloat16, jnp.uint16)
             and lib.prefill_attention_supported() == 2)
 
 
 def why_not(head_dim: int, cache_dtype, kv_cache_dtype: str, scaled: bool) -> str | None:
     """Why the kernel cannot take this call (None: it can)."""
-    if kv_cache_dtype.startswith("fp8") or scaled:
-        return "fp8 / scaled caches take the XLA loop"
-    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"cache must be float32 or bfloat16, not {jnp.dtype(cache_dtype)}"
+    if reason := cache_why_not(cache_dtype, kv_cache_dtype, scaled):
+        return reason
     if head_dim % 16 or head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim}: must be a multiple of 16, at most {MAX_HEAD_DIM}"
     if not available():
@@ -63,7 +63,8 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax
                             cu: jax.Array, q_lens: jax.Array, kv_lens: jax.Array, *,
                             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
                             decode_q_len: int, block_q: int, dots: str = "auto") -> jax.Array:
-    """q f32 [T, qh, D]; `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16; per sequence
+    """q f32 [T, qh, D]; `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 (or bf16 bits in
+    uint16); per sequence
     `cu` (i32[S + 1]), `q_lens` and `kv_lens` (i32[S], 0 past the real ones) -> f32 [T, qh, D]
     with the rows of sequences of more than `decode_q_len` query tokens; other rows are 0.
     `dots`: "auto" (`bf16_dots`), "float32", or "bfloat16" (ValueError where it cannot run)."""

@@ -262,11 +262,12 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                  page_indices.typed_data(), td[0], row_seq.typed_data(), row_pos.typed_data(),
                  rows, o);
     case ffi::DataType::BF16:
+    case ffi::DataType::U16:  // bf16 bits (kernels_pallas/kv_cache.py: as_bits)
       return Run(p, q.typed_data(), static_cast<const uint16_t*>(cache.untyped_data()),
                  page_indices.typed_data(), td[0], row_seq.typed_data(), row_pos.typed_data(),
                  rows, o);
     default:
-      return ffi::Error::InvalidArgument("paged_decode_attention: cache must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged_decode_attention: cache must be float32 or bfloat16 (or its bits)");
   }
 }
 

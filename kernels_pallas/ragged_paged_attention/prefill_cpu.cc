@@ -379,7 +379,7 @@ ffi::Error PrefillImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
   if (p.kvh == 0 || qd[1] % p.kvh != 0 || p.D % 16 != 0 || p.D > kMaxD || block_q < 1 ||
       cu.element_count() != S + 1 || q_lens.element_count() != S || kv_lens.element_count() != S)
     return ffi::Error::InvalidArgument("paged_prefill_attention: unsupported shapes");
-  if (bf16_dots && cache.element_type() != ffi::DataType::BF16)
+  if (bf16_dots && cache.element_type() != ffi::DataType::BF16 && cache.element_type() != ffi::DataType::U16)
     return ffi::Error::InvalidArgument("paged_prefill_attention: bf16 dots need a bfloat16 cache");
   p.group = qd[1] / p.kvh;
   float* o = out->typed_data();
@@ -390,11 +390,12 @@ ffi::Error PrefillImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                  page_indices.typed_data(), S, cu.typed_data(), q_lens.typed_data(),
                  kv_lens.typed_data(), decode_q_len, block_q, qd[0], false, o);
     case ffi::DataType::BF16:
+    case ffi::DataType::U16:  // bf16 bits (kernels_pallas/kv_cache.py: as_bits)
       return Run(p, q.typed_data(), static_cast<const uint16_t*>(cache.untyped_data()),
                  page_indices.typed_data(), S, cu.typed_data(), q_lens.typed_data(),
                  kv_lens.typed_data(), decode_q_len, block_q, qd[0], bf16_dots, o);
     default:
-      return ffi::Error::InvalidArgument("paged_prefill_attention: cache must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged_prefill_attention: cache must be float32 or bfloat16 (or its bits)");
   }
 }
 

@@ -153,3 +153,32 @@ def test_prefill_kernel(cache_dots, page_size: int, num_q_heads: int, num_kv_hea
                 batch.q, batch.kv_pages, batch.page_indices, plan.cu, plan.q_lens, plan.kv_lens,
                 sm_scale=0.125, soft_cap=None, sliding_window=None, decode_q_len=1, block_q=16,
                 dots="bfloat16")
+
+
+def test_a_bf16_cache_kept_as_bits_is_written_in_place_and_read_by_both_paths() -> None:
+    """The CPU variant's layout keeps bf16 as uint16 bits: XLA's CPU scatter into a bf16 array
+    converts the whole cache to float32 and back each step (seconds at a real cache's size)."""
+    import jax.numpy as jnp
+
+    import kernels_pallas
+
+    layout = kernels_pallas.kv_cache_layout(2, 64, "bfloat16", backend="cpu")
+    assert layout.storage_dtype == jnp.uint16 and layout.stores_bits
+    batch = make_batch([(20, 50), (1, 40), (1, 1)], num_q_heads=6, num_kv_heads=2, head_dim=64,
+                       page_size=16, dtype=BF16, seed=5)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(batch.kv_pages), jnp.uint16)
+    want = naive_attention(batch, sm_scale=0.125)
+    n = batch.num_real_tokens
+    for kernels in ({}, {"decode_kernel": "xla", "prefill_kernel": "xla"}):
+        got = kernels_pallas.ragged_paged_attention(
+            batch.q, bits, *batch.args[2:], sm_scale=0.125, backend="cpu", layout=layout, **kernels)
+        np.testing.assert_allclose(np.asarray(got, np.float32)[:n], want[:n], **tolerance(BF16))
+    k = jnp.full((3, 2, 64), 1.5, jnp.float32)
+    write = jax.jit(functools.partial(kernels_pallas.update_kv_cache, backend="cpu", layout=layout),
+                    donate_argnums=0)
+    slots = jnp.array([17, 18, 40], jnp.int32)
+    hlo = write.lower(bits, k, -k, slots).compile().as_text()
+    assert f"f32[{bits.shape[0]},16,4,64]" not in hlo, "the scatter converts the whole cache"
+    out = write(bits, k, -k, slots)
+    values = np.asarray(jax.lax.bitcast_convert_type(out, jnp.bfloat16), np.float32).reshape(-1, 4, 64)
+    assert (values[[17, 18, 40]][:, 0::2] == 1.5).all() and (values[[17, 18, 40]][:, 1::2] == -1.5).all()

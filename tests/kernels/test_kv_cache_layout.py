@@ -44,9 +44,12 @@ def test_pack_unpack_round_trip(dtype: str, num_kv_heads: int, head_dim: int) ->
 
 def test_kv_cache_shape_per_platform() -> None:
     # The default model (3 KV heads of 64): CPU/GPU keep [2 * kvh, D] in the value dtype
-    # (fp8 as uint8 bits); the TPU packs [k | v] per head into 128 lanes of int32 words
-    # (bf16: 2 heads a row, so 3 heads take 2 rows).
+    # (fp8 as uint8 bits; the CPU's bf16 as uint16 bits, which XLA's CPU scatter writes in
+    # place); the TPU packs [k | v] per head into 128 lanes of int32 words (bf16: 2 heads a
+    # row, so 3 heads take 2 rows).
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "cpu") == (
+        (10, 16, 6, 64), jnp.uint16)
+    assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "cuda") == (
         (10, 16, 6, 64), jnp.bfloat16)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "fp8", "cuda") == ((10, 16, 6, 64), jnp.uint8)
     assert kernels_pallas.kv_cache_shape(10, 16, 3, 64, "bfloat16", "tpu") == ((10, 16, 256), jnp.int32)

@@ -139,20 +139,20 @@ def test_bad_quantization_names_the_field() -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_fp8_kv_cache_stays_near_the_float32_cache(backend: str, tmp_path) -> None:
+def test_fp8_and_bf16_kv_caches_stay_near_the_float32_cache(backend: str, tmp_path) -> None:
     model_dir = save_tiny_hf("llama", str(tmp_path))
     arch, params = load_checkpoint(model_dir, np.float32)
     ids = list(range(3, 60))
     f = prompt_logits(LlamaForCausalLM(arch, ModelOptions(attention_backend=backend)), params, ids)
-    for kv in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2):
+    for kv in (KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2, KVCacheDtype.BFLOAT16):
         model = LlamaForCausalLM(arch, ModelOptions(attention_backend=backend, kv_cache_dtype=kv))
-        q = prompt_logits(model, params, ids)  # a uint8 cache holding fp8 bits
+        q = prompt_logits(model, params, ids)  # a uint8 (uint16) cache holding fp8 (bf16) bits
         assert np.isfinite(q).all()
         assert 0 < np.abs(q - f).max() < 0.05 * np.abs(f).max()
 
 
 def test_bad_kv_cache_dtype_names_the_field() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, fp8"):
         make_engine_config(kv_cache_dtype="int4")
 
 

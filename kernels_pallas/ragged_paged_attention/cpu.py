@@ -21,9 +21,11 @@ is read about once per query *block* and every loop is bounded by the real work:
         few items and never pays for a long neighbour; partial softmax results are merged
         per token with scatter-max / scatter-add (a split-K "flash decoding" merge).
 
-The decode items above are the XLA path; where the C++ kernel loads and takes the cache
-(`_decode_cpu.why_not`), the decode rows go to it instead (`decode_cpu.cc`: each row's pages
-read in place, in 256-key chunks over every core), and the XLA loop is its oracle.
+Both loops above are the XLA path. Where the C++ kernels load and take the cache
+(`_decode_cpu.why_not`, `_prefill_cpu.why_not`), the decode rows go to `decode_cpu.cc` (each
+row's pages read in place, in 256-key chunks over every core) and the prefill rows to
+`prefill_cpu.cc` (AVX-512: 32 query rows in vector lanes against 32-key tiles, softmax fused,
+bf16 dots over a bf16 cache on AVX512-BF16); the XLA loops are their oracles.
 
 Both loops are `lax.fori_loop`s with data-dependent trip counts (while loops): on the CPU they
 cost no host round trip, and an absent kind of work costs zero iterations. What depends only
@@ -363,7 +365,8 @@ register_backend(
     _cpu_backend,
     plan=make_plan,
     platforms=("cpu",),
-    description="prefill: XLA loops, blocks that read their keys once; decode: a C++ kernel "
+    description="prefill: a C++/AVX-512 kernel over the cache in place (XLA loops of query "
+                "blocks that read their keys once where it cannot); decode: a C++ kernel "
                 "reading each token's own pages in place (the XLA loop of (token, key block) "
                 "items where it cannot); the CPU serving path",
     # The first runs the rows through the C++ kernels, the second through the XLA loops.

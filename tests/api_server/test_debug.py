@@ -183,8 +183,12 @@ def test_the_page_in_a_headless_browser(server: RemoteServer, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def eager_server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--enforce-eager"]) as s:
+def eager_server(tmp_path_factory):
+    # A cold compilation cache: from a warm one the eager programs load in well under the
+    # symptom's 0.5 s a minute (a cache hit is not a compile the user waits for).
+    cache = str(tmp_path_factory.mktemp("jax_compilation_cache"))
+    with RemoteServer([*SMALL_ENGINE_ARGS, "--enforce-eager"],
+                      env={"JAX_COMPILATION_CACHE_DIR": cache}) as s:
         yield s
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.api_server.server_args import ServerArgs
-from jaxserve.models.model_files import resolve_model
+from jaxserve.models.model_files import ModelFormat, read_hf_config, resolve_model
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        resolve_model(config.model_config.model)  # a missing model is a usage error, before any process starts
+        files = resolve_model(config.model_config.model)  # a missing model is a usage error, before any process starts
+        if files.format == ModelFormat.HF:
+            read_hf_config(files.path)  # so is a checkpoint stored quantized (refused by name)
         dist = config.parallel_config.distributed()
         num_processes, process_id = dist.num_processes, dist.process_id
     except (ValueError, FileNotFoundError) as e:

@@ -75,6 +75,47 @@ def resolve_model(model: str | None) -> ModelFiles:
     )
 
 
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    """config.json; ValueError for a checkpoint stored quantized (`refuse_quantized`)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    refuse_quantized(config, model_dir)
+    return config
+
+
+# quantization_config fields that tell a scheme apart, per quant_method (HF's names).
+_SCHEME_FIELDS = ("format", "bits", "group_size", "desc_act", "version", "weight_block_size",
+                  "activation_scheme", "load_in_4bit", "load_in_8bit")
+
+
+def refuse_quantized(config: dict[str, Any], model_dir: str) -> None:
+    """A checkpoint stored quantized (compressed-tensors, fp8, GPTQ, AWQ, bitsandbytes, ...) is
+    refused by name before anything is read: its tensors are not the float ones the loader
+    expects, and a missing-tensor error would not say why."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method", "unnamed") if isinstance(qc, dict) else "unnamed"
+    fields = ", ".join(f"{k}={qc[k]!r}" for k in _SCHEME_FIELDS if isinstance(qc, dict) and k in qc)
+    if isinstance(qc, dict) and method == "compressed-tensors" and not fields:
+        groups = qc.get("config_groups") or {}
+        formats = sorted({str(g.get("format") or qc.get("format")) for g in groups.values()
+                          if isinstance(g, dict)})
+        fields = f"formats {', '.join(formats)}" if formats else ""
+    raise ValueError(
+        f"{model_dir}: config.json's quantization_config names a checkpoint stored quantized "
+        f"(quant_method {method!r}{'; ' + fields if fields else ''}), which jaxserve does not load: "
+        "it reads float safetensors checkpoints (float32, bfloat16, float16) and GGUF files, and "
+        "quantizes float weights at load with --quantization int8 or bf16. Serve the model's "
+        "float checkpoint (with --quantization int8 for 8-bit weights) instead.")
+
+
 def open_gguf(path: str) -> Any:
     """The file's `gguf.GGUFReader` (models/gguf_reader.py's faster parse), parsed once per
     process: the architecture, the weights, the EOS ids and the tokenizer are all read from

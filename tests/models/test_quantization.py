@@ -294,3 +294,37 @@ def test_bf16_refuses_experts_by_name(tmp_path) -> None:
     arch, params = load_checkpoint(model_dir, np.float32)
     with pytest.raises(ValueError, match="quantization 'bf16'"):
         quantize_params(params, WeightFormat.BF16)
+
+
+def test_a_checkpoint_stored_quantized_is_refused_by_name(tmp_path) -> None:
+    """compressed-tensors, block-wise fp8, GPTQ and AWQ checkpoints are not loaded yet: each is
+    refused before any tensor is read, naming its scheme, offline (ValueError) and at the
+    command line (a usage error, before any process starts)."""
+    import json
+    import subprocess
+    import sys
+
+    from jaxserve.models.loaders import read_arch
+
+    model_dir = save_tiny_hf("llama", str(tmp_path))
+    cases = [
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"]},
+         "format='float-quantized'"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "pack-quantized"}}},
+         "formats pack-quantized"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size=[128, 128]"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "group_size=128"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "version='gemm'"),
+    ]
+    path = f"{model_dir}/config.json"
+    config = json.load(open(path))
+    for qc, named in cases:
+        json.dump({**config, "quantization_config": qc}, open(path, "w"))
+        for load in (read_arch, lambda d: load_checkpoint(d, np.float32)):
+            with pytest.raises(ValueError, match="quantization_config") as e:
+                load(model_dir)
+            assert repr(qc["quant_method"]) in str(e.value) and named in str(e.value)
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--model", model_dir],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "quantization_config" in proc.stderr, proc.stderr[-2000:]
+    assert "'awq'" in proc.stderr and "Traceback" not in proc.stderr

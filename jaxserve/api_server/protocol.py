@@ -20,6 +20,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -103,6 +105,12 @@ class ErrorResponse(OpenAIBaseModel):
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = False
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -178,6 +186,14 @@ class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     guided_grammar: Text | None = None
     # vLLM's: the prompt's and the output's token ids beside the text (completions and chat).
     return_token_ids: bool | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_only_when_streaming(cls, value: StreamOptions | None,
+                                            info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")  # vLLM's words
+        return value
 
 
 # --- completions ----------------------------------------------------------------------

@@ -200,7 +200,8 @@ class ServingContext:
         return trace
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        """A missing or empty `model` is the served one, as in vLLM."""
+        if model and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:

@@ -138,16 +138,22 @@ class OpenAIServingChat:
                       parsers: list[ChatOutputParser]) -> AsyncIterator[str]:
         n, model = request.n, self.ctx.model_name
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.usage_on_every_chunk)
         exclude = None if include_usage else {"usage"}
+        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+
+        def usage() -> UsageInfo:
+            num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
+            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                             total_tokens=num_prompt + num_generated)
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   prompt_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices,
-                prompt_token_ids=prompt_ids,
+                prompt_token_ids=prompt_ids, usage=usage() if continuous else None,
             ).model_dump_json(exclude=exclude))
 
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
         errors: list[str] = []  # error events of choices that ended with an error
         holdback = stop_holdback(request)
         try:
@@ -188,11 +194,9 @@ class OpenAIServingChat:
                     while errors:
                         yield errors.pop(0)
             if include_usage:
-                num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                    total_tokens=num_prompt + num_generated)).model_dump_json())
+                    usage=usage()).model_dump_json())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"

@@ -139,11 +139,18 @@ class OpenAIServingCompletion:
                       gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[str]:
         n, model = request.n, self.ctx.model_name
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = bool(request.stream_options and request.stream_options.usage_on_every_chunk)
         exclude = None if include_usage else {"usage"}
         # Per choice: characters and tokens already sent, finished or not.
         sent_chars = [[0] * n for _ in prompts]
         sent_tokens = [[0] * n for _ in prompts]
         done = [[False] * n for _ in prompts]
+        num_prompt = sum(len(ids) for _, ids in prompts)
+
+        def usage() -> UsageInfo:
+            num_generated = sum(map(sum, sent_tokens))
+            return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                             total_tokens=num_prompt + num_generated)
         holdback = stop_holdback(request)
         try:
             async with aclosing(merge_async_iterators(*gens)) as results:
@@ -159,17 +166,14 @@ class OpenAIServingCompletion:
                                 errors.append(event)
                     if choices:
                         chunk = CompletionStreamResponse(id=request_id, created=created,
-                                                         model=model, choices=choices)
+                                                         model=model, choices=choices,
+                                                         usage=usage() if continuous else None)
                         yield sse(chunk.model_dump_json(exclude=exclude))
                     for event in errors:
                         yield event
             if include_usage:
-                num_prompt = sum(len(ids) for _, ids in prompts)
-                num_generated = sum(map(sum, sent_tokens))
-                chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                    total_tokens=num_prompt + num_generated))
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                 choices=[], usage=usage())
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)

@@ -94,6 +94,22 @@ def test_completion_stream_equals_non_stream(server: RemoteServer, client: opena
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
+def test_continuous_usage_stats_and_a_missing_model(server: RemoteServer, client: openai.OpenAI) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far; a missing or
+    empty `model` is the served one (vLLM's behaviour)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.completions.create, dict(prompt=PROMPTS[0])),
+                       (client.chat.completions.create, dict(messages=HI))):
+        chunks = list(create(model=MODEL, max_tokens=6, temperature=0.0, stream=True,
+                             stream_options=opts, extra_body={"ignore_eos": True}, **kw))
+        used = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage.prompt_tokens > 0 for c in chunks)
+        assert used == sorted(used) and used[-1] == 6 and chunks[-1].choices == []
+    for body in ({"prompt": "x", "max_tokens": 2}, {"model": "", "prompt": "x", "max_tokens": 2}):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
 def test_chat_stream(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, messages=HI, max_tokens=30, temperature=0.0)
     full = client.chat.completions.create(**kw)
@@ -308,6 +324,10 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
      "top_logprobs", ["20"]),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", ["messages"]),
     ("/v1/chat/completions", {"messages": HI, "stop": [""]}, 400, "stop", ["stop"]),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", ["`stream=True`"]),
+    ("/v1/chat/completions", {"messages": HI, "stream": False, "stream_options": {}}, 400,
+     "stream_options", ["`stream=True`"]),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search",
      ["use_beam_search is not supported"]),
     ("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 8}, 400,

@@ -157,10 +157,12 @@ class OpenAIServingChat:
         errors: list[str] = []  # error events of choices that ended with an error
         holdback = stop_holdback(request)
         try:
-            # OpenAI's first chunk of each choice carries the role only.
-            yield chunk([ChatCompletionResponseStreamChoice(
-                index=k, delta=DeltaMessage(role="assistant", content="")) for k in range(n)],
-                prompt_token_ids if request.return_token_ids else None)
+            # OpenAI's first chunk of each choice carries the role only. One choice a chunk,
+            # as vLLM sends them: clients read choices[0].
+            for k in range(n):
+                yield chunk([ChatCompletionResponseStreamChoice(
+                    index=k, delta=DeltaMessage(role="assistant", content=""))],
+                    prompt_token_ids if request.return_token_ids and k == 0 else None)
             async with aclosing(gen) as results:
                 async for res in results:
                     choices = []
@@ -189,8 +191,8 @@ class OpenAIServingChat:
                             token_ids=list(new_tokens) if request.return_token_ids else None))
                         if finished and (event := sse_finish_error(out)) is not None:
                             errors.append(event)
-                    if choices:
-                        yield chunk(choices)
+                    for choice in choices:
+                        yield chunk([choice])
                     while errors:
                         yield errors.pop(0)
             if include_usage:

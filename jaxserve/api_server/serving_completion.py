@@ -164,9 +164,9 @@ class OpenAIServingCompletion:
                             choices.append(choice)
                             if choice.finish_reason and (event := sse_finish_error(out)):
                                 errors.append(event)
-                    if choices:
+                    for choice in choices:  # one a chunk, as vLLM sends them: clients read choices[0]
                         chunk = CompletionStreamResponse(id=request_id, created=created,
-                                                         model=model, choices=choices,
+                                                         model=model, choices=[choice],
                                                          usage=usage() if continuous else None)
                         yield sse(chunk.model_dump_json(exclude=exclude))
                     for event in errors:

@@ -134,6 +134,13 @@ def test_n_choices(client: openai.OpenAI) -> None:
         for ch in c.choices:
             texts[ch.index] += ch.delta.content or ""
     assert all(texts.values())
+    # As vLLM streams n > 1: one choice a chunk, each ending with its own finish reason.
+    chunks += list(client.completions.create(model=MODEL, prompt=PROMPTS[2], n=3, max_tokens=5,
+                                             temperature=1.0, stream=True))
+    assert all(len(c.choices) == 1 for c in chunks)
+    finished = [(type(c).__name__, c.choices[0].index) for c in chunks if c.choices[0].finish_reason]
+    assert sorted(finished) == [("ChatCompletionChunk", 0), ("ChatCompletionChunk", 1),
+                                ("Completion", 0), ("Completion", 1), ("Completion", 2)]
     # Two prompts x two choices.
     r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4, temperature=0)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

@@ -53,9 +53,9 @@ class Processor:
             raise InvalidInputError(EMPTY_PROMPT, "prompt")
         if n >= limit:
             raise InvalidInputError(prompt_too_long(n, limit), "prompt")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise InvalidInputError(f"prompt token ids must be in [0, {self.vocab_size})",
-                                    "prompt")
+        if bad := out_of_vocab(token_ids, self.vocab_size):
+            raise InvalidInputError(f"Token id {bad} is out of vocabulary: prompt token ids must "
+                                    f"be in [0, {self.vocab_size})", "prompt")
         if max_tokens is None:
             return limit - n
         if n + max_tokens > limit:
@@ -103,22 +103,21 @@ class Processor:
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """`params` checked against the model, with the model's EOS ids added."""
         vocab = self.vocab_size
-        if any(not 0 <= tok < vocab for tok, _ in params.logit_bias):
-            raise InvalidInputError(f"logit_bias keys must be token ids in [0, {vocab})",
-                                    "logit_bias")
+        if bad := out_of_vocab([tok for tok, _ in params.logit_bias], vocab):
+            raise InvalidInputError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token "
+                                    f"ids: keys must be token ids in [0, {vocab})", "logit_bias")
         if params.top_k > vocab:
             raise InvalidInputError(f"top_k must be at most the vocabulary size ({vocab}), "
                                     f"got {params.top_k}", "top_k")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidInputError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        if params.allowed_token_ids is not None and any(
-                not 0 <= t < vocab for t in params.allowed_token_ids):
-            raise InvalidInputError(f"allowed_token_ids must be in [0, {vocab})",
-                                    "allowed_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if bad := out_of_vocab(getattr(params, name) or (), vocab):
+                raise InvalidInputError(f"{name} contain out-of-vocab token id(s) {bad}: "
+                                        f"they must be in [0, {vocab})", name)
         if params.bad_words and not params.bad_words_token_ids:
             params = self._tokenize_bad_words(params)
-        if any(not 0 <= t < vocab for s in params.bad_words_token_ids for t in s):
-            raise InvalidInputError(f"bad_words_token_ids must be in [0, {vocab})", "bad_words")
+        if bad := out_of_vocab([t for s in params.bad_words_token_ids for t in s], vocab):
+            raise InvalidInputError(f"bad_words_token_ids contain out-of-vocab token id(s) {bad}: "
+                                    f"they must be in [0, {vocab})", "bad_words")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
@@ -152,3 +151,13 @@ class Processor:
         except ValueError as e:
             word = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field
             raise InvalidInputError(str(e), word if word in _FIELD_NAMES else None) from None
+
+
+def out_of_vocab(token_ids, vocab_size: int, show: int = 5) -> str:
+    """The ids outside [0, vocab_size) ("" if none), the first `show` of them, as error
+    messages name them (vLLM's name the offending ids)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if not bad:
+        return ""
+    more = f" and {len(bad) - show} more" if len(bad) > show else ""
+    return (str(bad[0]) if len(bad) == 1 else ", ".join(map(str, bad[:show]))) + more

@@ -205,7 +205,8 @@ class CompletionRequest(SamplingRequestFields):
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
              | NonEmptyText
              | Annotated[list[NonEmptyText], Field(min_length=1)])
-    max_tokens: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = 16
+    # 0 only with echo: the prompt scored, nothing generated (vLLM's; evaluation harnesses).
+    max_tokens: Annotated[WholeInt, Field(ge=0, le=INT32_MAX)] | None = 16
     echo: bool | None = False
     logprobs: Annotated[WholeInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: Text | None = None

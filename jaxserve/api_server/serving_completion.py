@@ -52,6 +52,12 @@ class OpenAIServingCompletion:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must equal n)", param="best_of")
+        # vLLM's echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated;
+        # the engine samples one token, which the response leaves out.
+        echo_only = request.max_tokens == 0
+        if echo_only and not request.echo:
+            raise OpenAIError("max_tokens must be at least 1, got 0 (0 only with echo: the "
+                              "prompt back with its logprobs)", param="max_tokens")
         prompts = await self._prompts(request.prompt)
         spans = [("tokenize", received, time.time())]
         if len(prompts) * request.n > MAX_SEQUENCES:
@@ -63,7 +69,7 @@ class OpenAIServingCompletion:
         params_list = []
         structured = await ctx.structured_outputs(request)
         for _, ids in prompts:
-            max_tokens = ctx.check_prompt(ids, request.max_tokens)
+            max_tokens = ctx.check_prompt(ids, 1 if echo_only else request.max_tokens)
             # echo + logprobs reports the prompt's tokens too: it needs their logprobs.
             prompt_lps = request.prompt_logprobs
             if request.echo and request.logprobs is not None:
@@ -76,15 +82,28 @@ class OpenAIServingCompletion:
                                             arrival_time=arrival,
                                             trace=ctx.start_trace(rid, received, spans)))
         created = int(time.time())
-        if request.stream:
+        if request.stream and not echo_only:
             return StreamingResponse(self._stream(request, request_id, created, prompts, gens),
                                      media_type="text/event-stream")
         final: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(merge_async_iterators(*gens)) as results:
             async for i, res in results:
                 final[i] = res
-        return Response(self._full_response(request, request_id, created, prompts, final)
-                        .model_dump_json(), media_type="application/json")
+        full = self._full_response(request, request_id, created, prompts, final)
+        if request.stream:  # echo only: nothing to stream but the whole answer
+            return StreamingResponse(self._stream_whole(request, full), media_type="text/event-stream")
+        return Response(full.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    async def _stream_whole(request: CompletionRequest, full: CompletionResponse) -> AsyncIterator[str]:
+        """A finished response as a stream: a chunk per choice, then usage if asked, [DONE]."""
+        for choice in full.choices:
+            yield sse(CompletionStreamResponse(id=full.id, created=full.created, model=full.model,
+                                               choices=[choice]).model_dump_json(exclude={"usage"}))
+        if request.stream_options and request.stream_options.include_usage:
+            yield sse(CompletionStreamResponse(id=full.id, created=full.created, model=full.model,
+                                               choices=[], usage=full.usage).model_dump_json())
+        yield "data: [DONE]\n\n"
 
     async def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) of each prompt; texts tokenized off the event loop."""
@@ -116,18 +135,21 @@ class OpenAIServingCompletion:
         for i, res in enumerate(final):
             assert res is not None
             for out in res.outputs:
-                text = out.text
+                token_ids, logprobs, text = out.token_ids, out.logprobs, out.text
+                if request.max_tokens == 0:  # echo only: the sampled token is left out
+                    token_ids, logprobs, text = [], [], ""
                 if request.echo:
                     text = self._prompt_text(prompts, i) + text
                 lps = None
-                if request.logprobs is not None and out.logprobs is not None:
-                    lps = self._logprobs(request, prompts, i, res, out.token_ids, out.logprobs, 0)
+                if request.logprobs is not None and logprobs is not None:
+                    lps = self._logprobs(request, prompts, i, res, token_ids, logprobs, 0)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=lps,
                     prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                    **self._token_ids(request, prompts, i, out.token_ids, True)))
-                num_generated += len(out.token_ids)
+                    finish_reason="length" if request.max_tokens == 0 else out.finish_reason,
+                    stop_reason=None if request.max_tokens == 0 else out.stop_reason,
+                    **self._token_ids(request, prompts, i, token_ids, True)))
+                num_generated += len(token_ids)
         num_prompt = sum(len(ids) for _, ids in prompts)
         return CompletionResponse(
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,

@@ -298,6 +298,25 @@ def test_echo(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(server: RemoteServer, client: openai.OpenAI) -> None:
+    """vLLM's (and evaluation harnesses') loglikelihood request: echo, logprobs, max_tokens 0
+    gives the prompt back with its tokens' logprobs and generates nothing; without echo, a 400."""
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1, temperature=0)
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    assert c.text == PROMPTS[0] and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+    longer = client.completions.create(**{**kw, "max_tokens": 2}).choices[0].logprobs
+    assert longer.token_logprobs[:len(ids)] == c.logprobs.token_logprobs  # the same prompt scores
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert [ch.choices[0].text for ch in chunks if ch.choices] == [PROMPTS[0]]
+    assert chunks[-1].usage.completion_tokens == 0
+    bad = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
 def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: openai.OpenAI) -> None:
     t = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()
     assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512

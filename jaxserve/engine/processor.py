@@ -9,7 +9,7 @@ engine); what a field may hold on its own is `SamplingParams`' to say. A refusal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +153,7 @@ class Processor:
             raise InvalidInputError(str(e), word if word in _FIELD_NAMES else None) from None
 
 
-def out_of_vocab(token_ids, vocab_size: int, show: int = 5) -> str:
+def out_of_vocab(token_ids: Iterable[int], vocab_size: int, show: int = 5) -> str:
     """The ids outside [0, vocab_size) ("" if none), the first `show` of them, as error
     messages name them (vLLM's name the offending ids)."""
     bad = [t for t in token_ids if not 0 <= t < vocab_size]

@@ -28,6 +28,15 @@ inline float hsum(__m256 a) {  // the 8 lanes' sum
   return _mm_cvtss_f32(h);
 }
 
+// Cephes' expf, e^x = 2^n * p(r) with n = round(x * log2 e), r = x - n ln 2 (ln 2 in two
+// parts), p a degree-7 polynomial: relative error ~2e-7. The attention kernels' exps (AVX2 and
+// AVX-512 widths) share these.
+namespace expf_coeffs {
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expf_coeffs
+
 // Row chunks per call: enough for every core to stay busy whatever the others are doing.
 constexpr int64_t kChunks = 16;
 

@@ -89,9 +89,9 @@ def resolve_dtype(dtype: str, platform: str) -> str:
 def auto_kv_cache_dtype(dtype: str, weight_format: WeightFormat, platform: str) -> str:
     """What `--kv-cache-dtype auto` stores: the model's dtype, but bfloat16 on a CPU running
     bf16 weights. There the cache takes half float32's bytes (twice the pages), the C++
-    attention kernels read it in place and the prefill's dots run on the bf16 units (the
-    ~1,800-token TTFT 0.74x a float32 cache's: docs/benchmarks.md); vLLM's CPU build keeps its
-    bf16 model's cache in bf16 as well."""
+    attention kernels read it in place and the prefill's dots run on the bf16 units
+    (docs/benchmarks.md, "Prefill attention in C++ and a bf16 KV cache on the CPU"); vLLM's
+    CPU build keeps its bf16 model's cache in bf16 as well."""
     return "bfloat16" if platform == "cpu" and weight_format.bf16 else dtype
 
 

@@ -76,7 +76,8 @@ def resolve_model(model: str | None) -> ModelFiles:
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:
-    """config.json; ValueError for a checkpoint stored quantized (`refuse_quantized`)."""
+    """config.json; ValueError for a checkpoint stored in a quantized format jaxserve does not
+    read (`refuse_quantized`)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
@@ -89,31 +90,14 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     return config
 
 
-# quantization_config fields that tell a scheme apart, per quant_method (HF's names).
-_SCHEME_FIELDS = ("format", "bits", "group_size", "desc_act", "version", "weight_block_size",
-                  "activation_scheme", "load_in_4bit", "load_in_8bit")
-
-
 def refuse_quantized(config: dict[str, Any], model_dir: str) -> None:
-    """A checkpoint stored quantized (compressed-tensors, fp8, GPTQ, AWQ, bitsandbytes, ...) is
-    refused by name before anything is read: its tensors are not the float ones the loader
-    expects, and a missing-tensor error would not say why."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return
-    method = qc.get("quant_method", "unnamed") if isinstance(qc, dict) else "unnamed"
-    fields = ", ".join(f"{k}={qc[k]!r}" for k in _SCHEME_FIELDS if isinstance(qc, dict) and k in qc)
-    if isinstance(qc, dict) and method == "compressed-tensors" and not fields:
-        groups = qc.get("config_groups") or {}
-        formats = sorted({str(g.get("format") or qc.get("format")) for g in groups.values()
-                          if isinstance(g, dict)})
-        fields = f"formats {', '.join(formats)}" if formats else ""
-    raise ValueError(
-        f"{model_dir}: config.json's quantization_config names a checkpoint stored quantized "
-        f"(quant_method {method!r}{'; ' + fields if fields else ''}), which jaxserve does not load: "
-        "it reads float safetensors checkpoints (float32, bfloat16, float16) and GGUF files, and "
-        "quantizes float weights at load with --quantization int8 or bf16. Serve the model's "
-        "float checkpoint (with --quantization int8 for 8-bit weights) instead.")
+    """A checkpoint stored in a quantized format jaxserve does not read (GPTQ, AWQ,
+    bitsandbytes, ...) is refused by name before anything is read, listing the formats it does
+    read (models/checkpoint_quant.py); a missing-tensor error would not say why."""
+    if config.get("quantization_config"):
+        from jaxserve.models.checkpoint_quant import from_hf_config  # NumPy, no JAX
+
+        from_hf_config(config, model_dir)
 
 
 def open_gguf(path: str) -> Any:

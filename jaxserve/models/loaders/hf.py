@@ -2,23 +2,45 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 from jaxserve.config import WeightFormat
+from jaxserve.models import checkpoint_quant
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.loaders.weights import WeightLoadError, build_params
+from jaxserve.models.loaders.weights import WeightLoadError, build_params, projection_shapes
 from jaxserve.models.model_files import read_hf_config
+
+# safetensors' NumPy reader has no float8 types: these are read from the file's own header.
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_float8(path: str, name: str) -> np.ndarray | None:
+    """Tensor `name` of a safetensors file if it is a float8 one, else None."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        info = header.get(name)
+        if not info or info.get("dtype") not in _FLOAT8:
+            return None
+        start, end = info["data_offsets"]  # from the end of the header
+        f.seek(start, os.SEEK_CUR)
+        data = f.read(end - start)
+    return np.frombuffer(data, _FLOAT8[info["dtype"]]).reshape(info["shape"]).copy()
 
 
 def load_hf_dir(
     model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
 ) -> tuple[ArchConfig, dict[str, Any]]:
-    """Return the architecture and the param tree of a safetensors checkpoint."""
-    arch = ArchConfig.from_hf_config(read_hf_config(model_dir))
+    """Return the architecture and the param tree of a safetensors checkpoint. A checkpoint
+    stored quantized (models/checkpoint_quant.py) is read by its format's formula."""
+    config = read_hf_config(model_dir)
+    arch = ArchConfig.from_hf_config(config)
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
@@ -41,6 +63,12 @@ def load_hf_dir(
         try:
             return h.get_tensor(name)
         except Exception as e:
-            raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
+            t = _read_float8(path, name)
+            if t is None:
+                raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
+            return t
 
+    cq = checkpoint_quant.from_hf_config(config, model_dir)
+    if cq is not None:
+        get = checkpoint_quant.dequantizing_get(get, cq, projection_shapes(arch), model_dir)
     return arch, build_params(arch, get, dtype, model_dir, weight_format)

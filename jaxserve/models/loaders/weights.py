@@ -94,6 +94,26 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> 
     return out
 
 
+def projection_shapes(cfg: ArchConfig) -> dict[str, tuple[int, int]]:
+    """Every projection's HF weight name -> its [out, in] shape (the layers', each expert's
+    and a separate LM head's): the matrices a quantized checkpoint may store quantized."""
+    shapes = {}
+    for suffix, path, transpose, shape in _layer_table(cfg):
+        if transpose and path[-1] == "kernel":
+            shapes.update({f"model.layers.{i}.{suffix}": shape for i in _row_layers(cfg, path)})
+    if cfg.num_experts:
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
+        for name, hf_names in _EXPERT_NAMES.items():
+            shape = (H, I) if name == "w_down" else (I, H)
+            for i in _row_layers(cfg, ("mlp", "w_gate")):
+                shapes.update({f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}"
+                               f".weight": shape for e in range(E)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
 # Phi-3 fuses q/k/v and gate/up: (name the table reads, fused name, which part).
 _FUSED = (("self_attn.q_proj", "self_attn.qkv_proj", 0), ("self_attn.k_proj", "self_attn.qkv_proj", 1),
           ("self_attn.v_proj", "self_attn.qkv_proj", 2), ("mlp.gate_proj", "mlp.gate_up_proj", 0),

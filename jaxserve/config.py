@@ -333,6 +333,11 @@ class WeightFormat(enum.Enum):
     INT8 = "int8"  # --quantization int8
     BF16 = "bf16"  # bfloat16 weights, float32 activations (--quantization bf16, the CPU's default)
     BF16_PACKED = "bf16 packed"  # the same, packed at load into oneDNN's layout (the CPU)
+    # A checkpoint stored quantized (models/checkpoint_quant.py), served at its stored width:
+    # its projections' values and scales as stored; embeddings and LM head in the model dtype.
+    CHECKPOINT_INT8 = "checkpoint int8"  # int8 values (int4 ones with zero points widened)
+    CHECKPOINT_INT4 = "checkpoint int4"
+    CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
 
     @classmethod
     def of(cls, quantization: str | None) -> WeightFormat:
@@ -344,12 +349,31 @@ class WeightFormat(enum.Enum):
     def quantization(self) -> str | None:
         """The --quantization name of this format (logs and JSON reports)."""
         return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
-                WeightFormat.BF16_PACKED: "bf16"}.get(self)
+                WeightFormat.BF16_PACKED: "bf16", WeightFormat.CHECKPOINT_INT8: "int8",
+                WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_FP8: "fp8"}.get(self)
 
     @property
     def quantized(self) -> bool:
-        """Converted at load from the checkpoint's floats (models/quantization.py)."""
+        """Not the model dtype's floats: converted at load from the checkpoint's floats
+        (models/quantization.py), or read as the checkpoint stores them."""
         return self is not WeightFormat.FLOAT
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """The checkpoint's own quantized values, read as stored."""
+        return self in (WeightFormat.CHECKPOINT_INT8, WeightFormat.CHECKPOINT_INT4,
+                        WeightFormat.CHECKPOINT_FP8)
+
+    @property
+    def scaled(self) -> bool:
+        """Values times a scale per output channel and group of inputs (`qweight`, `scale`)."""
+        return self is WeightFormat.INT8 or self.from_checkpoint
+
+    @property
+    def values_dtype(self) -> str:
+        """The dtype of a scaled format's `qweight` (a name JAX and ml_dtypes know)."""
+        return {WeightFormat.CHECKPOINT_INT4: "int4",
+                WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn"}.get(self, "int8")
 
     @property
     def bf16(self) -> bool:
@@ -394,6 +418,9 @@ class ResolvedConfig:
     attention_backend: str  # the kernel variant (--attention-backend auto resolved)
     max_model_len: int  # --max-model-len, or the model's context length
     kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype; bf16 for a CPU's bf16 weights)
+    # A checkpoint format's inputs per scale (None: one scale per output channel); our int8's
+    # is models/quantization.py's GROUP_SIZE.
+    weight_group_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,15 @@ import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
 from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ParallelConfig, ResolvedConfig,
                              WeightFormat)
-from jaxserve.models import ArchConfig
+from jaxserve.models import ArchConfig, checkpoint_quant
+from jaxserve.models.loaders.weights import projection_shapes
 from jaxserve.models.loaders import read_arch
 from jaxserve.models.moe import check_experts_split
 from jaxserve.models.quantization import check_experts
-from jaxserve.models.model_files import ModelFiles, resolve_model
+from jaxserve.models.model_files import ModelFiles, ModelFormat, read_hf_config, resolve_model
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.pipeline import split_layers
+from jaxserve.parallel.sharding import head_layout
 from jaxserve.platforms import select_jax_platforms
 
 
@@ -50,7 +52,12 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     quantization, reason = resolve_quantization(mc.quantization, mc.dtype, platform, tp, pp,
                                                 lambda: arch, mc.cpu_auto_bf16)
-    weight_format = WeightFormat.of(quantization)
+    weight_format, group_size = WeightFormat.of(quantization), None
+    stored = resolve_checkpoint_format(files, arch, mc.quantization, platform, tp)
+    if stored is not None and stored[0] is not None:
+        (weight_format, group_size), reason = stored
+    elif stored is not None:
+        reason = f"{reason}; {stored[1]}"
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
     refuse_contradictions(arch, weight_format, pc)
@@ -62,7 +69,8 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
                                                     config.attention_interpret),
         max_model_len=max_model_len,
         kv_cache_dtype=KVCacheDtype.resolve(config.cache_config.cache_dtype,
-                                            auto_kv_cache_dtype(dtype, weight_format, platform)))
+                                            auto_kv_cache_dtype(dtype, weight_format, platform)),
+        weight_group_size=group_size)
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),
@@ -156,6 +164,41 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
         return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
     return "bf16", (f"bf16 weights: --dtype auto on a CPU with bf16 units ({bf16_kernel.cpu.onednn_description()}; "
                     "--no-cpu-auto-bf16 or --dtype float32 keeps float32)")
+
+
+def resolve_checkpoint_format(
+    files: ModelFiles, arch: ArchConfig, quantization: str | None, platform: str, tp: int,
+) -> tuple[tuple[WeightFormat, int | None] | None, str] | None:
+    """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: ((the format
+    that keeps its stored width, its inputs per scale), why), or (None, why) where its
+    weights are dequantized at load into the format `--quantization` and the platform pick.
+    None for a float checkpoint.
+
+    fp8 stays 8-bit on GPU and TPU (XLA widens it inside the dot); the CPU has no fp8
+    matmul, so it is dequantized at load there. int4 with symmetric scales stays 4-bit on GPU
+    and TPU; on the CPU, and with zero points anywhere, int values are served as int8, which
+    holds them (and q - zero) exactly, through the CPU's int8 kernel."""
+    if files.format is not ModelFormat.HF:
+        return None
+    cq = checkpoint_quant.from_hf_config(read_hf_config(files.path), files.path)
+    if cq is None:
+        return None
+    if quantization is not None:
+        return None, f"the checkpoint's {cq.name} weights dequantized at load for --quantization {quantization}"
+    if head_layout(arch, tp).num_kv_heads != arch.num_key_value_heads:
+        return None, (f"the checkpoint's {cq.name} weights dequantized at load: tensor parallel "
+                      f"size {tp} pads the KV heads, which needs float weights")
+    left = [n for n in projection_shapes(arch) if n != "lm_head.weight"
+            and not cq.quantizes(n.removesuffix(".weight"))]
+    if left:
+        return None, (f"the checkpoint's {cq.name} weights dequantized at load: it leaves "
+                      f"{left[0]} unquantized, and each projection is stacked over the layers")
+    if cq.type == "float" and platform == "cpu":
+        return None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has no fp8 matmul)"
+    fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
+           if cq.num_bits == 4 and cq.symmetric and platform != "cpu" else WeightFormat.CHECKPOINT_INT8)
+    group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
+    return (fmt, group), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values"
 
 
 def resolve_packed_weights(fmt: WeightFormat, platform: str, tp: int, pp: int,

@@ -19,7 +19,7 @@ from jaxserve.config import KVCacheDtype, WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm
-from jaxserve.models.quantization import dense as make_dense
+from jaxserve.models.quantization import GROUP_SIZE, dense as make_dense
 from jaxserve.models.rope import apply_rope
 
 
@@ -40,6 +40,7 @@ class ModelOptions:
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (tests, research)
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
     weight_format: WeightFormat = WeightFormat.FLOAT  # models/quantization.py
+    weight_group_size: int | None = GROUP_SIZE  # a scaled format's inputs per scale
     # The values the cache holds (the engine's is resolved from --kv-cache-dtype): fp8 ones are
     # stored as their bits in a uint8 cache.
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.FLOAT32
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         def dense(n: int, bias: bool, name: str) -> nn.Module:
             return make_dense(n, bias, opts.dtype, opts.weight_format, name, cfg.num_hidden_layers,
-                              cpu_kernel=opts.cpu_kernel)
+                              cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)

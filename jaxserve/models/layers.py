@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import WeightFormat
-from jaxserve.models.quantization import dense as quant_dense
+from jaxserve.models.quantization import GROUP_SIZE, dense as quant_dense
 
 
 class RMSNorm(nn.Module):
@@ -40,12 +40,13 @@ class SwiGLU(nn.Module):
     num_layers: int | None = None  # inside the layer scan (quantization.Int8Dense)
     cpu_kernel: bool = True
     activation: str = "silu"  # or "gelu_pytorch_tanh"
+    group_size: int | None = GROUP_SIZE  # a scaled format's inputs per scale
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         def dense(n: int, name: str) -> nn.Module:
             return quant_dense(n, False, self.dtype, self.weight_format, name, self.num_layers,
-                               self.cpu_kernel)
+                               self.cpu_kernel, self.group_size)
         gate = dense(self.intermediate_size, "gate_proj")(x, layer)
         up = dense(self.intermediate_size, "up_proj")(x, layer)
         act = nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
+from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.attention import Attention, ModelOptions, attention_options, kv_cache_layout
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
         else:
             mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.weight_format,
                          cfg.num_hidden_layers, opts.cpu_kernel,
-                         name="mlp")
+                         group_size=opts.weight_group_size, name="mlp")
         h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
 
@@ -96,7 +97,9 @@ class LlamaForCausalLM(nn.Module):
         )(cfg, opts)
         self.norm = RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0 if cfg.gemma else 0.0)
         if not cfg.tie_word_embeddings:
-            self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, opts.weight_format,
+            # A checkpoint stored quantized keeps its LM head in float (quantization.py).
+            head = WeightFormat.FLOAT if opts.weight_format.from_checkpoint else opts.weight_format
+            self.lm_head = make_dense(cfg.vocab_size, False, opts.dtype, head,
                                       cpu_kernel=opts.cpu_kernel)
 
     def __call__(

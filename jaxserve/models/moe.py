@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.quantization import (
+    GROUP_SIZE,
     INT8_LAYERS,
     MLP_STACKS,
     dequantize_int8,
@@ -169,12 +169,12 @@ def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate:
     check_experts_split(cfg, tp, ep)
     # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
     # [E, H, I] (and their scales alike).
-    int8 = opts.weight_format is WeightFormat.INT8
+    int8 = opts.weight_format.scaled
     spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
         lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
     up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
     if int8:  # down's scales: one per input group, whole when tp does not divide them
-        whole = not ep and num_groups(I) % tp
+        whole = not ep and num_groups(I, opts.weight_group_size) % tp
         up_spec = (up_spec, up_spec)
         down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
 
@@ -202,9 +202,11 @@ class MoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
-        if opts.weight_format is WeightFormat.INT8:  # the whole stack, this layer's taken
+        if opts.weight_format.scaled:  # the whole stack, this layer's taken
             L = cfg.num_hidden_layers
-            w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, name=name)(), layer)
+            w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, INT8_LAYERS,
+                                                    opts.weight_format.values_dtype,
+                                                    opts.weight_group_size, name=name)(), layer)
                                     for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
                                                               ("w_down", H, I)))
         else:
@@ -215,21 +217,24 @@ class MoE(nn.Module):
 
 
 class Int8Stack(nn.Module):
-    """int8 matrices held whole in a broadcast collection (models/quantization.py's layout):
-    qweight [*lead, out, in], scale [*lead, out, groups]. The layer scan's experts
-    ([num_layers, E]) in INT8_LAYERS; a MixedMLP's stacks in MLP_STACKS."""
+    """Scaled matrices held whole in a broadcast collection (models/quantization.py's layout):
+    qweight [*lead, out, in] (int8, or a checkpoint's `values_dtype`), scale [*lead, out,
+    groups]. The layer scan's experts ([num_layers, E]) in INT8_LAYERS; a MixedMLP's stacks
+    in MLP_STACKS."""
 
     lead: tuple[int, ...]
     out_features: int
     in_features: int
     collection: str = INT8_LAYERS
+    values_dtype: str = "int8"
+    group_size: int | None = GROUP_SIZE
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array]:
         shape = (*self.lead, self.out_features, self.in_features)
-        q = self.variable(self.collection, "qweight", jnp.zeros, shape, jnp.int8).value
+        q = self.variable(self.collection, "qweight", jnp.zeros, shape, jnp.dtype(self.values_dtype)).value
         s = self.variable(self.collection, "scale", jnp.ones,
-                          (*shape[:-1], num_groups(self.in_features)), jnp.float32).value
+                          (*shape[:-1], num_groups(self.in_features, self.group_size)), jnp.float32).value
         return q, s
 
 
@@ -267,11 +272,12 @@ class MixedMLP(nn.Module):
                             cfg.intermediate_size)
         n_sparse = sum(cfg.moe_layers)
         n_dense = cfg.num_hidden_layers - n_sparse
-        int8 = opts.weight_format is WeightFormat.INT8
+        int8 = opts.weight_format.scaled
 
         def stack(name: str, lead: tuple[int, ...], n_in: int, n_out: int, module: bool) -> Experts:
             if int8:
-                return Int8Stack(lead, n_out, n_in, MLP_STACKS, name=name)()
+                return Int8Stack(lead, n_out, n_in, MLP_STACKS, opts.weight_format.values_dtype,
+                                 opts.weight_group_size, name=name)()
             if module:  # a dense projection: `name/kernel`
                 return FloatStack((*lead, n_in, n_out), opts.dtype, name=name)()
             return self.variable(MLP_STACKS, name, jnp.zeros, (*lead, n_in, n_out), opts.dtype).value

@@ -33,6 +33,12 @@ The int8 matmul: up to 32 tokens on the CPU, `kernels_pallas.int8_matmul`'s C++ 
 read once, converted in registers); otherwise, and on GPU/TPU, XLA's
 dequantize-then-dot. Inside the layer scan the weights of either format stay whole
 (INT8_LAYERS).
+
+A checkpoint stored quantized and served at its stored width (WeightFormat.from_checkpoint,
+models/checkpoint_quant.py) uses the same layout with its own values and groups: `qweight`
+int8, int4 or float8_e4m3fn [..., out, in] and `scale` [..., out, in // group] (the
+checkpoint's group, block width, or one per channel). Its embedding and LM head stay in the
+model's dtype, as such checkpoints store them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import numpy as np
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import WeightFormat
+from jaxserve.models.checkpoint_quant import StoredMatrix
 
 GROUP_SIZE = 64
 
@@ -88,14 +95,28 @@ def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> 
 dequantize_int8 = int8_kernel.dequantize
 
 
+def stored_weight(m: StoredMatrix, fmt: WeightFormat) -> dict[str, np.ndarray]:
+    """A checkpoint's stored matrix as `fmt`'s leaves (a WeightFormat.from_checkpoint one):
+    `qweight` [out, in] in `fmt.values_dtype` (values minus zero points, which int8 holds
+    exactly for int4 and int8 checkpoints) and `scale` [out, groups]."""
+    values = m.values
+    if m.zero is not None:
+        g = values.shape[1] // m.zero.shape[1]
+        values = (values.astype(np.int16) - np.repeat(m.zero, g, axis=1)).astype(np.int8)
+        if fmt is not WeightFormat.CHECKPOINT_INT8:
+            raise ValueError(f"{fmt.value} holds no zero points")
+    dtype = jnp.dtype(fmt.values_dtype)
+    return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": m.scale}
+
+
 def quantize_params(params: dict[str, Any], fmt: WeightFormat) -> dict[str, Any]:
     """Quantize a host param tree `{"params": ...}` in place of its float projections.
 
-    `WeightFormat.FLOAT` returns `params` unchanged; leaves a loader delivered quantized
-    already are kept. Norms, biases and q/k norms stay float. (bf16 packed: plain bf16 rows
-    here; `pack_params` packs them.)
+    `WeightFormat.FLOAT` and a checkpoint's own format return `params` unchanged; leaves a
+    loader delivered quantized already are kept. Norms, biases and q/k norms stay float.
+    (bf16 packed: plain bf16 rows here; `pack_params` packs them.)
     """
-    if not fmt.quantized:
+    if not fmt.quantized or fmt.from_checkpoint:
         return params
 
     def walk(node: dict[str, Any], name: str) -> dict[str, Any]:
@@ -196,9 +217,9 @@ def int8_matmul_rows(
     return jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], out)  # [n, ..., out/n] -> [..., out]
 
 
-def num_groups(n_in: int) -> int:
-    """Scales per output channel of an `n_in`-input matrix."""
-    return n_in // GROUP_SIZE if n_in % GROUP_SIZE == 0 else 1
+def num_groups(n_in: int, group_size: int | None = GROUP_SIZE) -> int:
+    """Scales per output channel of an `n_in`-input matrix (`group_size` None: one)."""
+    return n_in // group_size if group_size and n_in % group_size == 0 else 1
 
 
 class Dense(nn.Dense):
@@ -224,7 +245,8 @@ def _add_bias(mod: nn.Module, y: jax.Array) -> jax.Array:
 
 
 class Int8Dense(nn.Module):
-    """`nn.Dense` with int8 weights: params `qweight` [out, in], `scale` [out, groups], `bias`.
+    """`nn.Dense` with scaled weights: params `qweight` [out, in] (int8, or a checkpoint's
+    int4 / float8 `values_dtype`), `scale` [out, groups] of `group_size` inputs, `bias`.
 
     Inside the layer scan (`num_layers` set) `qweight` / `scale` are the whole stack
     [num_layers, ...] in the INT8_LAYERS collection and `layer` picks this layer's.
@@ -236,12 +258,16 @@ class Int8Dense(nn.Module):
     dtype: Any = jnp.float32
     num_layers: int | None = None
     cpu_kernel: bool = True
+    values_dtype: str = "int8"
+    group_size: int | None = GROUP_SIZE
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         n_in = x.shape[-1]
-        qweight = _layer_weight(self, "qweight", jnp.zeros, (self.features, n_in), jnp.int8)
-        scale = _layer_weight(self, "scale", jnp.ones, (self.features, num_groups(n_in)), jnp.float32)
+        qweight = _layer_weight(self, "qweight", jnp.zeros, (self.features, n_in),
+                                jnp.dtype(self.values_dtype))
+        scale = _layer_weight(self, "scale", jnp.ones,
+                              (self.features, num_groups(n_in, self.group_size)), jnp.float32)
         return _add_bias(self, int8_matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel))
 
 
@@ -325,12 +351,14 @@ class Int8Embed(nn.Module):
 
 def dense(
     features: int, use_bias: bool, dtype: Any, fmt: WeightFormat, name: str | None = None,
-    num_layers: int | None = None, cpu_kernel: bool = True,
+    num_layers: int | None = None, cpu_kernel: bool = True, group_size: int | None = GROUP_SIZE,
 ) -> nn.Module:
     """The projection for a weight format (float: `Dense`); called `(x, layer)`.
-    `num_layers`: the module is inside the layer scan of that many layers."""
-    if fmt is WeightFormat.INT8:
-        return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, name=name)
+    `num_layers`: the module is inside the layer scan of that many layers; `group_size`: a
+    scaled format's inputs per scale (ModelOptions.weight_group_size)."""
+    if fmt.scaled:
+        return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.values_dtype,
+                         group_size, name=name)
     if fmt.bf16:
         return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.packed, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -340,8 +368,9 @@ def embed(
     num_embeddings: int, features: int, dtype: Any, fmt: WeightFormat, cpu_kernel: bool = True,
     tied: bool = False,
 ) -> nn.Module:
-    """The token embedding for a weight format (float: `nn.Embed`); bf16 packed and `tied`:
-    bf16 rows with a packed copy for the LM head (`pack_params`)."""
+    """The token embedding for a weight format (float: `nn.Embed`, also for a checkpoint's own
+    format); bf16 packed and `tied`: bf16 rows with a packed copy for the LM head
+    (`pack_params`)."""
     if fmt is WeightFormat.INT8:
         return Int8Embed(num_embeddings, features, dtype, cpu_kernel)
     if fmt.bf16:

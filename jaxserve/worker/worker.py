@@ -28,7 +28,7 @@ from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
 from jaxserve.models.attention import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
-from jaxserve.models.quantization import pack_params, param_bytes, quantize_params
+from jaxserve.models.quantization import GROUP_SIZE, pack_params, param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
@@ -74,7 +74,7 @@ def weight_matmul_path(fmt: WeightFormat, platform: str, tp: int) -> str | None:
         few = (f"an AVX512-BF16 kernel up to {bf16_kernel.PACKED_FEW_TOKENS} tokens a step, oneDNN beyond"
                if bf16_kernel.cpu.avx512_bf16() else "oneDNN at every token count")
         return f"weights packed at load in oneDNN's layout: {few} (--no-cpu-packed-weights keeps plain rows)"
-    if fmt is WeightFormat.INT8:
+    if fmt.scaled:  # int8 values (a checkpoint's fp8 and int4 are served so on GPU/TPU only)
         if not int8_kernel.cpu.available():
             return f"XLA (CPU kernel unavailable: {int8_kernel.cpu.unavailable_reason()})"
         return f"CPU kernel up to {int8_kernel.CPU_KERNEL_MAX_TOKENS} tokens a step, XLA beyond"
@@ -114,6 +114,7 @@ class Worker:
         self.model_options = ModelOptions(
             dtype=self.dtype, attention_backend=self.attention_backend,
             attention_interpret=config.attention_interpret, weight_format=self.weight_format,
+            weight_group_size=r.weight_group_size if self.weight_format.from_checkpoint else GROUP_SIZE,
             kv_cache_dtype=r.kv_cache_dtype,
             expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
         self.runner: ModelRunner | None = None

@@ -70,5 +70,8 @@ def load_hf_dir(
 
     cq = checkpoint_quant.from_hf_config(config, model_dir)
     if cq is not None:
-        get = checkpoint_quant.dequantizing_get(get, cq, projection_shapes(arch), model_dir)
-    return arch, build_params(arch, get, dtype, model_dir, weight_format)
+        shapes = projection_shapes(arch)
+        if weight_format.from_checkpoint:  # the layers' projections are read as stored
+            shapes = {k: v for k, v in shapes.items() if k == "lm_head.weight"}
+        get = checkpoint_quant.dequantizing_get(get, cq, shapes, model_dir)
+    return arch, build_params(arch, get, dtype, model_dir, weight_format, cq)

@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.architectures import ARCHITECTURES
+from jaxserve.models.checkpoint_quant import CheckpointQuant
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
 
@@ -76,20 +77,29 @@ _EXPERT_NAMES = {"w_gate": ("w1", "gate_proj"), "w_up": ("w3", "up_proj"),
                  "w_down": ("w2", "down_proj")}
 
 
-def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
+def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
+                   stored: Callable[[str, tuple[int, int]], dict[str, np.ndarray]] | None = None,
+                   ) -> dict[str, Any]:
     """Every sparse layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I];
-    w_down: [.., I, H]) from one [out, in] tensor per expert."""
+    w_down: [.., I, H]) from one [out, in] tensor per expert; with `stored` (a checkpoint's
+    own format: HF module name, shape -> leaves) each leaf stacked [L, E, out, ...]."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
     out = {}
     for name, hf_names in _EXPERT_NAMES.items():
         shape = (H, I) if name == "w_down" else (I, H)
+        hf = [[f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}.weight"
+               for e in range(E)] for i in layers]
+        if stored is not None:
+            leaves = [[stored(n.removesuffix(".weight"), shape) for n in row] for row in hf]
+            out[name] = {k: np.stack([np.stack([t[k] for t in row]) for row in leaves])
+                         for k in leaves[0][0]}
+            continue
         stacked = np.empty((len(layers), E, shape[1], shape[0]), dtype)
-        for j, i in enumerate(layers):
-            for e in range(E):
-                hf = f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}.weight"
-                stacked[j, e] = _fetch(get, hf, shape, source).T
+        for j, row in enumerate(hf):
+            for e, n in enumerate(row):
+                stacked[j, e] = _fetch(get, n, shape, source).T
         out[name] = stacked
     return out
 
@@ -167,25 +177,40 @@ def _fetch_quantized(get: GetTensor, name: str, shape: tuple[int, int], source: 
 
 def build_params(
     cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
-    weight_format: WeightFormat = WeightFormat.FLOAT,
+    weight_format: WeightFormat = WeightFormat.FLOAT, stored: CheckpointQuant | None = None,
 ) -> dict[str, Any]:
     """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
 
     With a quantized `weight_format` (int8, bf16) every projection and the embedding arrive in that
     format one tensor at a time (`qweight` [out, in], int8's `scale`), so the whole model
-    never exists in float32.
+    never exists in float32. A checkpoint's own format (`weight_format.from_checkpoint`)
+    reads every layer projection as `stored` (its scheme) keeps it; the embedding and LM
+    head stay float.
 
     NOTE: leaves are plain `np.ndarray`s (never views of a memory-mapped file):
     multi-host `device_put` accepts only exact host array types.
     """
     dtype = np.dtype(dtype)
-    get = _split_fused(cfg, get)
+    raw_get, get = get, _split_fused(cfg, get)
+    read_stored = None
+    if weight_format.from_checkpoint:
+        if stored is None:
+            raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
+        from jaxserve.models.quantization import stored_weight
+
+        def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+            return stored_weight(stored.read(raw_get, module, shape, source), weight_format)
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
         rows = _row_layers(cfg, path)
+        if read_stored is not None and path[-1] == "kernel":
+            per_layer = [read_stored(f"model.layers.{i}.{suffix}".removesuffix(".weight"), shape)
+                         for i in rows]
+            node.update({k: np.stack([t[k] for t in per_layer]) for k in per_layer[0]})
+            continue
         if weight_format.quantized and path[-1] == "kernel":
             per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", shape, source, weight_format)
                          for i in rows]
@@ -198,8 +223,8 @@ def build_params(
             stacked[j] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
-        experts = _expert_params(cfg, get, dtype, source)
-        if weight_format.quantized:  # one stack at a time in float, then quantized
+        experts = _expert_params(cfg, get, dtype, source, read_stored)
+        if weight_format.quantized and read_stored is None:  # one stack at a time in float, then quantized
             from jaxserve.models.quantization import check_experts, quantize_weight
 
             check_experts(weight_format)
@@ -207,6 +232,8 @@ def build_params(
                 experts[name] = quantize_weight(w, weight_format, in_axis=-2)
         layers["mlp"].update(experts)
     V, H = cfg.vocab_size, cfg.hidden_size
+    if read_stored is not None:  # the checkpoint's float embedding and LM head
+        weight_format = WeightFormat.FLOAT
     if weight_format.quantized:
         embed = _fetch_quantized(get, "model.embed_tokens.weight", (V, H), source, weight_format)
     else:

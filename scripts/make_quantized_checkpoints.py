@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 
-import numpy as np
 import torch
 import transformers
 

@@ -64,8 +64,10 @@ class ModelOptions:
 
     @property
     def cpu_kernel(self) -> bool:
-        """Whether the CPU int8 matmul kernel may run (it has no sharding rule)."""
-        return self.mesh is None
+        """Whether the model runs on one CPU device: the CPU's matmul kernels may run (they have
+        no sharding rule) and big int8 matrices are multiplied in chunks. From `platform`, not
+        JAX's default backend: the preflight compiles for a TPU or GPU from a CPU process."""
+        return self.mesh is None and self.platform == "cpu"
 
 
 def kv_cache_layout(cfg: ArchConfig, attention_backend: str, kv_cache_dtype: KVCacheDtype,

@@ -200,9 +200,11 @@ def int8_matmul_rows(
     cpu_kernel: bool = True,
 ) -> jax.Array:
     """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T: the CPU kernel where it
-    applies (it reads the layer out of the whole stack), else XLA's dequantize-then-dot."""
+    applies (it reads the layer out of the whole stack), else XLA's dequantize-then-dot.
+    `cpu_kernel`: one CPU device (ModelOptions.cpu_kernel), where big matrices go in chunks
+    (not under tensor parallelism on the CPU, whose shards are smaller)."""
     out, n_in = qweight.shape[-2:]
-    n = _row_chunks(out, n_in) if jax.default_backend() == "cpu" else 1
+    n = _row_chunks(out, n_in) if cpu_kernel else 1
     if n == 1 or (cpu_kernel and int8_kernel.cpu_kernel_applies(x, qweight, scale)):
         # The CPU kernel where it applies, else XLA's dequantize-then-dot.
         return int8_kernel.int8_matmul(x, qweight, scale, layer,
@@ -441,4 +443,5 @@ def param_tree(variables: dict[str, Any]) -> dict[str, Any]:
 
 def param_bytes(params: Any) -> int:
     """Bytes of every array in a param tree (the weights' memory, reported at start-up)."""
-    return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
+    return int(sum(jax.dtypes.itemsize_bits(a.dtype) * int(np.prod(a.shape)) // 8
+                   for a in jax.tree.leaves(params)))  # int4: half a byte

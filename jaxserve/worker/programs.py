@@ -118,7 +118,7 @@ def per_device_bytes(tree: Any) -> int:
     for a in jax.tree.leaves(tree):
         sharding = getattr(a, "sharding", None)
         shape = sharding.shard_shape(a.shape) if sharding is not None else a.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(a.dtype) // 8
     return total
 
 

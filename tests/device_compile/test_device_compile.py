@@ -185,6 +185,39 @@ def test_llama3_8b_with_tensor_parallelism_fits_v5e_2x2(llama3_8b: str) -> None:
     assert m.max_concurrent_seqs >= 1 and m.kv_bytes_per_token == 32 * 2 * 2 * 128 * 2  # 2 of 8 heads
 
 
+# Issue 47: Llama-3-8B as the FP8 (per channel) and W4A16 (group 128) checkpoints users
+# download, from config.json alone: the stored width counts (embedding and LM head bf16, as
+# stored) and the forward compiles with fp8 / int4 values.
+QUANTIZED_8B = {"fp8": ("llama-fp8-dynamic", None, 8), "w4a16": ("llama-w4a16", 128, 4)}
+
+
+@pytest.mark.parametrize("scheme,target", [("fp8", "v5e:1x1"), ("w4a16", "v5e:1x1"),
+                                           ("fp8", "tpu7x:1x1"), ("w4a16", "h100")])
+def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, llama3_8b: str,
+                                                    tmp_path) -> None:
+    import shutil
+
+    data = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quantized")
+    name, group, bits = QUANTIZED_8B[scheme]
+    with open(os.path.join(data, name, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    if group:
+        qc["config_groups"]["group_0"]["weights"]["group_size"] = group
+    shutil.copy(os.path.join(llama3_8b, "config.json"), tmp_path / "config.json")
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**cfg, "tie_word_embeddings": False, "quantization_config": qc}, f)
+    report = _preflight(target, "--model", str(tmp_path), "--programs", "forward", *WARM_UP,
+                        *([] if target == "v5e:1x1" else FIXED_CACHE))
+    _assert_clean(report)
+    projections = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336)
+    stored = projections * bits // 8 + 2 * 128256 * 4096 * 2
+    assert stored <= report.memory.weight_bytes <= 1.05 * stored
+    if target == "v5e:1x1":  # the bf16 checkpoint does not fit (the test above)
+        assert report.memory.max_concurrent_seqs >= 16
+
+
 @pytest.mark.parametrize("target", ["v6e:1x1", "tpu7x:1x1"])
 def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> None:
     """Issue 45's bound at 8B shapes, decode batch 16 at 1k: the compiled step (an unrolled

@@ -303,7 +303,8 @@ def _roofline_rows(target: Target, worker: Any, config: Any) -> list[Row]:
     return roofline.rows(
         target.name, chip(target.chip), worker.arch, pc.tensor_parallel_size,
         "int8" if fmt is WeightFormat.INT8 else "bf16", weight_width, kv_width, act,
-        sc.max_num_seqs, worker.max_model_len, token_buckets(sc.max_num_batched_tokens))
+        sc.max_num_seqs, worker.max_model_len, token_buckets(sc.max_num_batched_tokens),
+        act if fmt.from_checkpoint else None)
 
 
 def program_kinds(value: str | None) -> tuple[ProgramKind, ...] | None:

@@ -74,9 +74,13 @@ def weight_params(arch: ArchConfig, tokens: int) -> tuple[float, float]:
 
 
 def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
-               kv_bytes_per_value: float, act_bytes: float = 2.0) -> Ideal:
-    """The step's ideal bytes and flops (the whole model, every device together)."""
+               kv_bytes_per_value: float, act_bytes: float = 2.0,
+               head_bytes_per_param: float | None = None) -> Ideal:
+    """The step's ideal bytes and flops (the whole model, every device together). The LM
+    head's width is the weights' unless `head_bytes_per_param` says otherwise (a checkpoint
+    stored quantized keeps its head in bf16)."""
     params, head = weight_params(arch, step.tokens)
+    head_width = weight_bytes_per_param if head_bytes_per_param is None else head_bytes_per_param
     L = arch.num_hidden_layers
     local = arch.local_layers or (((arch.sliding_window is not None),) * L)
     # Each layer reads every sequence's context (a sliding layer: its window), and writes the
@@ -93,8 +97,8 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
     attention_flops = 4 * arch.q_size * attended
     flops = 2 * (params - head) * step.tokens + 2 * head * step.sampled + attention_flops
     activations = 2 * step.tokens * arch.hidden_size * act_bytes * L + step.sampled * arch.vocab_size * 4
-    return Ideal(params * weight_bytes_per_param, kv, activations, flops, attention_flops,
-                 head * weight_bytes_per_param)
+    return Ideal((params - head) * weight_bytes_per_param + head * head_width, kv, activations,
+                 flops, attention_flops, head * head_width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,11 +190,13 @@ def steps(max_num_seqs: int, max_model_len: int) -> list[Step]:
 
 def rows(target: str, chip: Chip, arch: ArchConfig, devices: int, weights: str,
          weight_bytes_per_param: float, kv_bytes_per_value: float, act_bytes: float,
-         max_num_seqs: int, max_model_len: int, buckets: tuple[int, ...]) -> list[Row]:
+         max_num_seqs: int, max_model_len: int, buckets: tuple[int, ...],
+         head_bytes_per_param: float | None = None) -> list[Row]:
     """The --roofline rows of one target (ValueError naming the table for a chip it lacks)."""
     out = []
     for step in steps(max_num_seqs, max_model_len):
-        ideal = ideal_step(arch, step, weight_bytes_per_param, kv_bytes_per_value, act_bytes)
+        ideal = ideal_step(arch, step, weight_bytes_per_param, kv_bytes_per_value, act_bytes,
+                           head_bytes_per_param)
         r = roofline(chip, ideal, step, devices, weights)
         bucket = next((b for b in buckets if b >= step.tokens), None)
         out.append(Row(

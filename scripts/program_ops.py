@@ -16,7 +16,7 @@ import dataclasses
 import re
 import sys
 
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "s4": 0.5,
           "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
 

@@ -174,10 +174,10 @@ def resolve_checkpoint_format(
     weights are dequantized at load into the format `--quantization` and the platform pick.
     None for a float checkpoint.
 
-    fp8 stays 8-bit on GPU and TPU (XLA widens it inside the dot); the CPU has no fp8
-    matmul, so it is dequantized at load there. int4 with symmetric scales stays 4-bit on GPU
-    and TPU; on the CPU, and with zero points anywhere, int values are served as int8, which
-    holds them (and q - zero) exactly, through the CPU's int8 kernel."""
+    fp8 stays 8-bit on GPU and TPU (kernels_pallas/int8_matmul widens it inside the matmul);
+    the CPU has no fp8 matmul, so it is dequantized at load there. int4 with symmetric scales
+    stays 4-bit on the TPU; elsewhere (the GPU kernel has no 4-bit loads), and with zero points
+    anywhere, int values are served as int8, which holds them (and q - zero) exactly."""
     if files.format is not ModelFormat.HF:
         return None
     cq = checkpoint_quant.from_hf_config(read_hf_config(files.path), files.path)
@@ -196,7 +196,7 @@ def resolve_checkpoint_format(
     if cq.type == "float" and platform == "cpu":
         return None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has no fp8 matmul)"
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
-           if cq.num_bits == 4 and cq.symmetric and platform != "cpu" else WeightFormat.CHECKPOINT_INT8)
+           if cq.num_bits == 4 and cq.symmetric and platform == "tpu" else WeightFormat.CHECKPOINT_INT8)
     group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
     return (fmt, group), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values"
 

@@ -64,10 +64,9 @@ class ModelOptions:
 
     @property
     def cpu_kernel(self) -> bool:
-        """Whether the model runs on one CPU device: the CPU's matmul kernels may run (they have
-        no sharding rule) and big int8 matrices are multiplied in chunks. From `platform`, not
-        JAX's default backend: the preflight compiles for a TPU or GPU from a CPU process."""
-        return self.mesh is None and self.platform == "cpu"
+        """Whether the platform's matmul kernels (CPU and TPU) may run: one device per stage
+        (they have no sharding rule)."""
+        return self.mesh is None
 
 
 def kv_cache_layout(cfg: ArchConfig, attention_backend: str, kv_cache_dtype: KVCacheDtype,

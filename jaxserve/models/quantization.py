@@ -199,16 +199,30 @@ def int8_matmul_rows(
     x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array | None = None,
     cpu_kernel: bool = True,
 ) -> jax.Array:
-    """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T: the CPU kernel where it
-    applies (it reads the layer out of the whole stack), else XLA's dequantize-then-dot.
-    `cpu_kernel`: one CPU device (ModelOptions.cpu_kernel), where big matrices go in chunks
-    (not under tensor parallelism on the CPU, whose shards are smaller)."""
+    """x [..., in] @ dequantized(qweight [(L,) out, in] at `layer`).T: the platform's kernel
+    where it applies (`cpu_kernel`: one device per stage; both kernels read the layer out of
+    the whole stack), else XLA's dequantize-then-dot, on the CPU in chunks for a big matrix.
+    The CPU's choice is made per platform at lowering, as the kernels' own, so a program
+    compiled for a TPU from a CPU process (the preflight) gets the TPU's."""
     out, n_in = qweight.shape[-2:]
-    n = _row_chunks(out, n_in) if cpu_kernel else 1
-    if n == 1 or (cpu_kernel and int8_kernel.cpu_kernel_applies(x, qweight, scale)):
-        # The CPU kernel where it applies, else XLA's dequantize-then-dot.
+    n = _row_chunks(out, n_in)
+
+    def whole() -> jax.Array:
         return int8_kernel.int8_matmul(x, qweight, scale, layer,
                                        backend="auto" if cpu_kernel else "reference")
+
+    if n == 1:
+        return whole()
+    if cpu_kernel and int8_kernel.cpu_kernel_applies(x, qweight, scale):
+        return whole()  # on the CPU the kernel, which needs no chunks
+    return jax.lax.platform_dependent(cpu=lambda: _chunked(x, qweight, scale, layer, n),
+                                      default=whole)
+
+
+def _chunked(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array | None,
+             n: int) -> jax.Array:
+    """XLA's dequantize-then-dot over `n` chunks of output rows (CHUNK_ABOVE)."""
+    out, n_in = qweight.shape[-2:]
     if qweight.ndim == 3:
         qweight = jax.lax.dynamic_index_in_dim(qweight, layer, keepdims=False)
         scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)

@@ -125,7 +125,10 @@ def rope_cos_sin(cfg: ArchConfig, positions: jax.Array, seq_lens: jax.Array | No
     """cos, sin [T, rotary_dim // 2] for the positions (`seq_lens`: token_seq_lens, for the
     length-dependent types)."""
     s = cfg.rope_scaling
-    pos = positions.astype(jnp.float32)[:, None]
+    # Fenced: on the GPU, XLA fused cos/sin with other consumers of the step's packed inputs
+    # into one 33-output loop that spilled registers at 32 tokens (the preflight refuses any
+    # spill), and into every layer's rotation, recomputing them per head and layer.
+    pos = jax.lax.optimization_barrier(positions).astype(jnp.float32)[:, None]
     if s is not None and s.rope_type == "dynamic":
         d, max_pos = rotary_dim(cfg), cfg.max_position_embeddings
         L = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
@@ -140,7 +143,7 @@ def rope_cos_sin(cfg: ArchConfig, positions: jax.Array, seq_lens: jax.Array | No
     else:
         freqs = pos * jnp.asarray(rope_inv_freq(cfg))[None, :]
     scale = attention_factor(cfg)
-    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+    return jax.lax.optimization_barrier((jnp.cos(freqs) * scale, jnp.sin(freqs) * scale))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -86,11 +86,16 @@ def test_leading_dims_and_auto_choice():
     assert not cpu_kernel_applies(x.astype(jnp.bfloat16), q, s)  # float32 activations only
 
 
+def _lowered(f, platform: str, *args) -> str:
+    """`f`'s program exported for `platform` (Triton calls allowed, as scripts/export_step.py)."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_export_for_accelerators_lowers_the_reference(platform):
+def test_export_for_accelerators_leaves_out_the_cpu_kernel(platform):
     x, q, s = operands(np.random.default_rng(2), 1, 64, 128, 2)
-    exported = jax.export.export(jax.jit(lambda x, q, s: int8_matmul(x, q, s)), platforms=[platform])(x, q, s)
-    assert cpu.TARGET not in exported.mlir_module()
+    assert cpu.TARGET not in _lowered(lambda x, q, s: int8_matmul(x, q, s), platform, x, q, s)
 
 
 def test_bad_arguments_raise_value_errors():
@@ -156,3 +161,57 @@ print("fallback ok")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "fallback ok" in run.stdout
     assert "CPU int8 kernel unavailable" in run.stderr
+
+
+@pytest.mark.parametrize("values,groups,k,m", [
+    ("int8", 1, 512, 5), ("int8", 8, 512, 16), ("int4", 4, 512, 33), ("float8_e4m3fn", 2, 512, 3),
+    ("float8_e4m3fn", 1, 512, 40), ("int8", 128, 8192, 2)])  # the last: scales [N, G] as they lie
+def test_tpu_kernel_equals_float64_in_interpret_mode(values: str, groups: int, k: int, m: int) -> None:
+    """The TPU kernel (kernels_pallas/int8_matmul/tpu.py) on a stacked [L, N, K] weight at a
+    layer index, run by Pallas' interpreter: within bf16 rounding of the float64 product, as
+    the XLA reference is (the kernel scales float32 partial products per group)."""
+    from kernels_pallas.int8_matmul import tpu
+
+    rng = np.random.default_rng(3)
+    n = 256
+    q = jnp.asarray(rng.integers(-7, 8, (3, n, k)), jnp.float32).astype(jnp.dtype(values))
+    s = jnp.asarray(rng.uniform(0.01, 0.1, (3, n, groups)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    assert tpu.why_not(x, q, s) is None
+    truth = numpy_matmul(np.asarray(x, np.float64), np.asarray(q[1].astype(jnp.float32)), s[1])
+    got = np.asarray(tpu.int8_matmul_tpu(x, q, s, jnp.int32(1), interpret=True), np.float64)
+    ref = np.asarray(int8_matmul_reference(x, q, s, jnp.int32(1)), np.float64)
+    scale = np.abs(truth).max()
+    assert np.abs(got - truth).max() <= 2 ** -8 * scale
+    assert np.abs(got - truth).max() <= np.abs(ref - truth).max() * 1.01 + 1e-6 * scale
+    assert tpu.why_not(x, q[..., :200], s[..., :1]) is not None  # K not a multiple of the lanes
+
+
+@pytest.mark.parametrize("values,groups,m", [("int8", 1, 5), ("int8", 8, 16), ("float8_e4m3fn", 2, 33),
+                                              ("int8", 2, 130)])  # 130: three blocks of tokens
+def test_gpu_kernel_equals_float64_in_interpret_mode(values: str, groups: int, m: int) -> None:
+    """The GPU kernel (kernels_pallas/int8_matmul/gpu.py, Triton) by Pallas' interpreter, as
+    the TPU kernel's test; groups of 64 inputs (the int8 format's) included."""
+    from kernels_pallas.int8_matmul import gpu
+
+    rng = np.random.default_rng(5)
+    n, k = 128, 512
+    q = jnp.asarray(rng.integers(-7, 8, (3, n, k)), jnp.float32).astype(jnp.dtype(values))
+    s = jnp.asarray(rng.uniform(0.01, 0.1, (3, n, groups)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    assert gpu.why_not(x, q, s) is None
+    truth = numpy_matmul(np.asarray(x, np.float64), np.asarray(q[2].astype(jnp.float32)), s[2])
+    got = np.asarray(gpu.int8_matmul_gpu(x, q, s, jnp.int32(2), interpret=True), np.float64)
+    assert np.abs(got - truth).max() <= 2 ** -8 * np.abs(truth).max()
+    assert gpu.why_not(x, q.astype(jnp.int4), s) is not None  # no 4-bit loads in Triton
+
+
+def test_accelerator_exports_run_their_kernels_where_they_apply() -> None:
+    """Lowered for a TPU or a GPU (from this CPU process), `auto` puts the platform's kernel in
+    the program for the shapes it takes and the XLA reference otherwise."""
+    def lowered(platform: str, n: int, m: int = 4) -> str:
+        x, q, s = operands(np.random.default_rng(4), m, n, 256, 2, layers=2)
+        return _lowered(lambda x, q, s: int8_matmul(x.astype(jnp.bfloat16), q, s, 1), platform, x, q, s)
+
+    assert "tpu_custom_call" in lowered("tpu", 256) and "tpu_custom_call" not in lowered("tpu", 200)
+    assert "triton" in lowered("cuda", 256) and "triton" not in lowered("cuda", 200)

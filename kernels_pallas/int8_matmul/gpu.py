@@ -1,0 +1,99 @@
+"""The GPU kernel (Pallas / Triton): `x @ dequantize(qweight[layer], scale[layer]).T` reading
+int8 or float8_e4m3fn values at their stored width.
+
+XLA's GPU pipeline widens a scaled matrix to a bf16 temporary before cuBLAS's GEMM, with one
+scale per channel as with groups (1 byte read, 2 written, 2 read again per weight), and for a
+layer scan unrolled on the GPU it widens every layer's stack at once: 12.7 GiB of temp for a
+Llama-3-8B prefill (docs/benchmarks.md, "Checkpoints stored quantized"). Here each program
+takes a [bm tokens, BLOCK_N channels] block of the output, walks K in tiles, widens each tile
+of values in registers and accumulates its product with x (times the tile's group scales) in
+float32. Programs of the same channels run next to each other (tokens vary fastest), so a
+prefill's token blocks share their weight tiles through L2. The layer of a stacked [L, N, K]
+weight is read in the kernel, so a layer scan's stack is never sliced (XLA would copy it).
+
+int4 values stay on XLA's path (Triton has no 4-bit loads); the engine serves int4
+checkpoints as int8 values on the GPU (jaxserve/engine/resolve.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BLOCK_M = 64  # tokens per program beyond a decode's few (which take one block of 16-64)
+BLOCK_N = 64
+BLOCK_K = 128
+NUM_WARPS = 4
+NUM_STAGES = 3
+MIN_ROWS = 16  # Triton's dot takes at least 16 rows
+
+
+def why_not(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> str | None:
+    """Why the kernel cannot take these operands (None: it can)."""
+    n, k = qweight.shape[-2:]
+    groups = scale.shape[-1]
+    if jnp.dtype(qweight.dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
+        return f"values must be int8 or float8_e4m3fn, not {jnp.dtype(qweight.dtype)}"
+    if n % BLOCK_N or k % BLOCK_K:
+        return f"N={n} must be a multiple of {BLOCK_N} and K={k} of {BLOCK_K}"
+    if k % groups or (groups > 1 and (k // groups) % MIN_ROWS):
+        return f"a group of K={k} // {groups} inputs is not a multiple of {MIN_ROWS}"
+    return None
+
+
+def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, group: int | None, block_k: int,
+            bm: int) -> None:
+    tokens = pl.ds(pl.program_id(0) * bm, bm)
+    rows = pl.ds(pl.program_id(1) * BLOCK_N, BLOCK_N)
+    layer = layer_ref[0]
+    k = x_ref.shape[1]
+
+    def body(i, acc):
+        cols = pl.ds(i * block_k, block_k)
+        w = q_ref[layer, rows, cols].astype(x_ref.dtype)  # [BLOCK_N, block_k], widened here
+        part = plgpu.dot(w, x_ref[tokens, cols], trans_b=True)  # [BLOCK_N, bm] float32
+        if group is not None:  # a tile lies within one group
+            part = part * s_ref[layer, rows, pl.ds(i * block_k // group, 1)].astype(jnp.float32)
+        return acc + part
+
+    acc = lax.fori_loop(0, k // block_k, body, jnp.zeros((BLOCK_N, bm), jnp.float32))
+    if group is None:  # one scale per channel: once, after the sum
+        acc = acc * s_ref[layer, rows, pl.ds(0, 1)].astype(jnp.float32)
+    o_ref[tokens, rows] = acc.T.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def int8_matmul_gpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array,
+                    interpret: bool = False) -> jax.Array:
+    """x [..., K] @ dequantize(qweight[layer], scale[layer]).T -> [..., N] in x's dtype;
+    qweight [(L,) N, K], scale [(L,) N, G] (`why_not` is None for them)."""
+    if qweight.ndim == 2:
+        qweight, scale = qweight[None], scale[None]
+    _, n, k = qweight.shape
+    groups = scale.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    bm = min(BLOCK_M, max(MIN_ROWS, 1 << (m - 1).bit_length()))
+    m_pad = -(-m // bm) * bm
+    x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
+    value_bytes = jax.dtypes.itemsize_bits(qweight.dtype) // 8
+    group = k // groups if groups > 1 else None
+    out = pl.pallas_call(
+        functools.partial(_kernel, group=group, block_k=min(BLOCK_K, group or BLOCK_K), bm=bm),
+        grid=(m_pad // bm, n // BLOCK_N),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m_pad * n * k, transcendentals=0,
+            bytes_accessed=n * k * value_bytes + n * groups * scale.dtype.itemsize  # once: L2
+            + (n // BLOCK_N) * m_pad * k * x.dtype.itemsize + m_pad * n * x.dtype.itemsize),
+        name="int8_matmul_gpu",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x2, qweight, scale)
+    return out[:m].reshape(*lead, n)

@@ -117,6 +117,25 @@ def _is_counted_loop(while_op: ir.Operation) -> bool:
     return kinds == {"argument", "constant"}
 
 
+def _static(value: ir.Value) -> bool:
+    """Whether a case's index is known before the program runs: a constant, or the result of a
+    case on such an index whose branches return constants (how an export lowers
+    `lax.platform_dependent` for its one platform: resolved before XLA compiles it)."""
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return False
+    op = getattr(owner, "operation", owner)
+    if op.name == "stablehlo.constant":
+        return True
+    if op.name != "stablehlo.case" or not _static(op.operands[0]):
+        return False
+    for region in op.regions:
+        ret = list(region.blocks[0].operations)[-1]
+        if not all(_static(v) for v in ret.operands):
+            return False
+    return True
+
+
 def check_program(exported: export.Exported, donated_type: str | None) -> list[str]:
     """Problems found in an exported program (empty when device-clean)."""
     text = exported.mlir_module()
@@ -129,7 +148,7 @@ def check_program(exported: export.Exported, donated_type: str | None) -> list[s
         module = ir.Module.parse(text, context=ctx)
         for op in _ops(module.operation):
             name = op.operation.name
-            if name in ("stablehlo.case", "stablehlo.if"):
+            if name in ("stablehlo.case", "stablehlo.if") and not _static(op.operation.operands[0]):
                 problems.append(f"data-dependent {name}")
             elif name == "stablehlo.while" and not _is_counted_loop(op.operation):
                 problems.append("a while loop whose trip count is data")

@@ -39,11 +39,19 @@ def why_not(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> str | None:
     groups = scale.shape[-1]
     if jnp.dtype(qweight.dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)):
         return f"values must be int8 or float8_e4m3fn, not {jnp.dtype(qweight.dtype)}"
-    if n % BLOCK_N or k % BLOCK_K:
-        return f"N={n} must be a multiple of {BLOCK_N} and K={k} of {BLOCK_K}"
-    if k % groups or (groups > 1 and (k // groups) % MIN_ROWS):
+    if n % BLOCK_N:
+        return f"N={n} must be a multiple of {BLOCK_N}"
+    if k % groups or (k // groups) % MIN_ROWS:
         return f"a group of K={k} // {groups} inputs is not a multiple of {MIN_ROWS}"
     return None
+
+
+def _block_k(k: int, group: int) -> int:
+    """The K tile: the largest power of two up to BLOCK_K dividing the group (K per channel)."""
+    b = BLOCK_K
+    while group % b:
+        b //= 2
+    return b
 
 
 def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, group: int | None, block_k: int,
@@ -85,7 +93,7 @@ def int8_matmul_gpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: j
     value_bytes = jax.dtypes.itemsize_bits(qweight.dtype) // 8
     group = k // groups if groups > 1 else None
     out = pl.pallas_call(
-        functools.partial(_kernel, group=group, block_k=min(BLOCK_K, group or BLOCK_K), bm=bm),
+        functools.partial(_kernel, group=group, block_k=_block_k(k, group or k), bm=bm),
         grid=(m_pad // bm, n // BLOCK_N),
         out_shape=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),

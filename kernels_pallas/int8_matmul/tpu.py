@@ -39,7 +39,7 @@ def why_not(x: jax.Array, qweight: jax.Array, scale: jax.Array) -> str | None:
     group = k // groups
     if groups > 1 and group % HALF_LANES:
         return f"a group of {group} inputs is not a multiple of {HALF_LANES}"
-    if n % LANES or k % LANES:
+    if n % LANES or k % LANES:  # else XLA's tiled layout of the stack is copied at each call
         return f"N={n} and K={k} must be multiples of {LANES}"
     if jnp.dtype(qweight.dtype) not in (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4),
                                         jnp.dtype(jnp.float8_e4m3fn)):

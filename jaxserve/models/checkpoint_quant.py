@@ -85,6 +85,19 @@ class StoredMatrix:
     scale: np.ndarray
     zero: np.ndarray | None = None
 
+    def as_leaves(self, values_dtype: str) -> dict[str, np.ndarray]:
+        """The model's leaves for a checkpoint format (models/quantization.py): `qweight`
+        [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn"; values minus zero points,
+        which int8 holds exactly for int4 and int8 checkpoints) and `scale` [out, groups]."""
+        values = self.values
+        if self.zero is not None:
+            if values_dtype != "int8":
+                raise ValueError(f"{values_dtype} values hold no zero points")
+            g = values.shape[1] // self.zero.shape[1]
+            values = (values.astype(np.int16) - np.repeat(self.zero, g, axis=1)).astype(np.int8)
+        dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
+        return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale}
+
     def dequantize(self) -> np.ndarray:
         out, n_in = self.values.shape
         g = n_in // self.scale.shape[1]

@@ -53,7 +53,6 @@ import numpy as np
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import WeightFormat
-from jaxserve.models.checkpoint_quant import StoredMatrix
 
 GROUP_SIZE = 64
 
@@ -93,20 +92,6 @@ def quantize_int8(w: np.ndarray, in_axis: int, group_size: int = GROUP_SIZE) -> 
 
 # qweight [..., out, in], scale [..., out, groups] -> float [..., out, in]; NumPy or JAX.
 dequantize_int8 = int8_kernel.dequantize
-
-
-def stored_weight(m: StoredMatrix, fmt: WeightFormat) -> dict[str, np.ndarray]:
-    """A checkpoint's stored matrix as `fmt`'s leaves (a WeightFormat.from_checkpoint one):
-    `qweight` [out, in] in `fmt.values_dtype` (values minus zero points, which int8 holds
-    exactly for int4 and int8 checkpoints) and `scale` [out, groups]."""
-    values = m.values
-    if m.zero is not None:
-        g = values.shape[1] // m.zero.shape[1]
-        values = (values.astype(np.int16) - np.repeat(m.zero, g, axis=1)).astype(np.int8)
-        if fmt is not WeightFormat.CHECKPOINT_INT8:
-            raise ValueError(f"{fmt.value} holds no zero points")
-    dtype = jnp.dtype(fmt.values_dtype)
-    return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": m.scale}
 
 
 def quantize_params(params: dict[str, Any], fmt: WeightFormat) -> dict[str, Any]:

@@ -192,7 +192,7 @@ QUANTIZED_8B = {"fp8": ("llama-fp8-dynamic", None), "w4a16": ("llama-w4a16", 128
 
 
 @pytest.mark.parametrize("scheme,target,bits", [
-    ("fp8", "v5e:1x1", 8), ("w4a16", "v5e:1x1", 4), ("fp8", "tpu7x:1x1", 8),
+    ("fp8", "v5e:1x1", 8), ("w4a16", "v5e:1x1", 4), ("fp8", "v6e:1x1", 8), ("fp8", "tpu7x:1x1", 8),
     ("w4a16", "h100", 8)])  # the GPU kernel has no 4-bit loads: int4 values served as int8
 def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bits: int,
                                                     llama3_8b: str, tmp_path) -> None:

@@ -196,10 +196,8 @@ def build_params(
     if weight_format.from_checkpoint:
         if stored is None:
             raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
-        from jaxserve.models.quantization import stored_weight
-
         def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-            return stored_weight(stored.read(raw_get, module, shape, source), weight_format)
+            return stored.read(raw_get, module, shape, source).as_leaves(weight_format.values_dtype)
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers

@@ -53,7 +53,8 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     quantization, reason = resolve_quantization(mc.quantization, mc.dtype, platform, tp, pp,
                                                 lambda: arch, mc.cpu_auto_bf16)
     weight_format, group_size = WeightFormat.of(quantization), None
-    stored = resolve_checkpoint_format(files, arch, mc.quantization, platform, tp)
+    stored = resolve_checkpoint_format(files, arch, mc.quantization, platform, tp,
+                                       cpu_bf16=quantization == "bf16")
     if stored is not None and stored[0] is not None:
         (weight_format, group_size), reason = stored
     elif stored is not None:
@@ -168,6 +169,7 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
 
 def resolve_checkpoint_format(
     files: ModelFiles, arch: ArchConfig, quantization: str | None, platform: str, tp: int,
+    cpu_bf16: bool = False,
 ) -> tuple[tuple[WeightFormat, int | None] | None, str] | None:
     """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: ((the format
     that keeps its stored width, its inputs per scale), why), or (None, why) where its
@@ -177,7 +179,10 @@ def resolve_checkpoint_format(
     fp8 stays 8-bit on GPU and TPU (kernels_pallas/int8_matmul widens it inside the matmul);
     the CPU has no fp8 matmul, so it is dequantized at load there. int4 with symmetric scales
     stays 4-bit on the TPU; elsewhere (the GPU kernel has no 4-bit loads), and with zero points
-    anywhere, int values are served as int8, which holds them (and q - zero) exactly."""
+    anywhere, int values are served as int8, which holds them (and q - zero) exactly; but on a
+    CPU whose default is bf16 weights (`cpu_bf16`: resolve_quantization chose them) they are
+    dequantized into those, its faster path (docs/benchmarks.md, "Checkpoints stored
+    quantized"; --no-cpu-auto-bf16 keeps them exact as int8)."""
     if files.format is not ModelFormat.HF:
         return None
     cq = checkpoint_quant.from_hf_config(read_hf_config(files.path), files.path)
@@ -195,6 +200,9 @@ def resolve_checkpoint_format(
                       f"{left[0]} unquantized, and each projection is stacked over the layers")
     if cq.type == "float" and platform == "cpu":
         return None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has no fp8 matmul)"
+    if platform == "cpu" and cpu_bf16:
+        return None, (f"the checkpoint's {cq.name} weights dequantized at load into them: faster "
+                      "than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, exact)")
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
            if cq.num_bits == 4 and cq.symmetric and platform == "tpu" else WeightFormat.CHECKPOINT_INT8)
     group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None

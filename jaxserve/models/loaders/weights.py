@@ -184,8 +184,8 @@ def build_params(
     With a quantized `weight_format` (int8, bf16) every projection and the embedding arrive in that
     format one tensor at a time (`qweight` [out, in], int8's `scale`), so the whole model
     never exists in float32. A checkpoint's own format (`weight_format.from_checkpoint`)
-    reads every layer projection as `stored` (its scheme) keeps it; the embedding and LM
-    head stay float.
+    reads every layer projection as the checkpoint's scheme `stored` keeps it; the embedding
+    and LM head stay float.
 
     NOTE: leaves are plain `np.ndarray`s (never views of a memory-mapped file):
     multi-host `device_put` accepts only exact host array types.
@@ -196,6 +196,7 @@ def build_params(
     if weight_format.from_checkpoint:
         if stored is None:
             raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
+
         def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
             return stored.read(raw_get, module, shape, source).as_leaves(weight_format.values_dtype)
     layers: dict[str, Any] = {}

@@ -333,8 +333,8 @@ class WeightFormat(enum.Enum):
     INT8 = "int8"  # --quantization int8
     BF16 = "bf16"  # bfloat16 weights, float32 activations (--quantization bf16, the CPU's default)
     BF16_PACKED = "bf16 packed"  # the same, packed at load into oneDNN's layout (the CPU)
-    # A checkpoint stored quantized (models/checkpoint_quant.py), served at its stored width:
-    # its projections' values and scales as stored; embeddings and LM head in the model dtype.
+    # A checkpoint stored quantized (models/checkpoint_quant.py), its projections' values and
+    # scales served as stored (embeddings and LM head in the model dtype):
     CHECKPOINT_INT8 = "checkpoint int8"  # int8 values (int4 ones with zero points widened)
     CHECKPOINT_INT4 = "checkpoint int4"
     CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
@@ -370,8 +370,7 @@ class WeightFormat(enum.Enum):
         return self is WeightFormat.INT8 or self.from_checkpoint
 
     @property
-    def values_dtype(self) -> str:
-        """The dtype of a scaled format's `qweight` (a name JAX and ml_dtypes know)."""
+    def values_dtype(self) -> str:  # a scaled format's `qweight` (JAX's and ml_dtypes' name)
         return {WeightFormat.CHECKPOINT_INT4: "int4",
                 WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn"}.get(self, "int8")
 
@@ -418,9 +417,7 @@ class ResolvedConfig:
     attention_backend: str  # the kernel variant (--attention-backend auto resolved)
     max_model_len: int  # --max-model-len, or the model's context length
     kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype; bf16 for a CPU's bf16 weights)
-    # A checkpoint format's inputs per scale (None: one scale per output channel); our int8's
-    # is models/quantization.py's GROUP_SIZE.
-    weight_group_size: int | None = None
+    weight_group_size: int | None = None  # a checkpoint format's inputs per scale (None: per channel)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.int8_matmul.reference import as_stacked
+
 BLOCK_M = 64  # tokens per program beyond a decode's few (which take one block of 16-64)
 BLOCK_N = 64
 BLOCK_K = 128
@@ -80,13 +82,8 @@ def int8_matmul_gpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: j
                     interpret: bool = False) -> jax.Array:
     """x [..., K] @ dequantize(qweight[layer], scale[layer]).T -> [..., N] in x's dtype;
     qweight [(L,) N, K], scale [(L,) N, G] (`why_not` is None for them)."""
-    if qweight.ndim == 2:
-        qweight, scale = qweight[None], scale[None]
-    _, n, k = qweight.shape
-    groups = scale.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    x2, qweight, scale, lead = as_stacked(x, qweight, scale)
+    (m, k), (_, n, _), groups = x2.shape, qweight.shape, scale.shape[-1]
     bm = min(BLOCK_M, max(MIN_ROWS, 1 << (m - 1).bit_length()))
     m_pad = -(-m // bm) * bm
     x2 = jnp.pad(x2, ((0, m_pad - m), (0, 0)))

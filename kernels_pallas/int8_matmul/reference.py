@@ -15,6 +15,14 @@ def dequantize(qweight: Any, scale: Any) -> Any:
     return w.reshape(*lead, k)
 
 
+def as_stacked(x: Any, qweight: Any, scale: Any) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """The kernels' operands: x as [M, K] rows, qweight [L, N, K] and scale [L, N, G] (a single
+    matrix as a stack of one), and x's leading shape to give the result back."""
+    if qweight.ndim == 2:
+        qweight, scale = qweight[None], scale[None]
+    return x.reshape(-1, x.shape[-1]), qweight, scale, x.shape[:-1]
+
+
 def int8_matmul_reference(
     x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: jax.Array
 ) -> jax.Array:

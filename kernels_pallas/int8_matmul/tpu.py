@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels_pallas.int8_matmul.reference import as_stacked
+
 # Each grid step holds whole rows of weights: [bn, K] values (so the scales' block is all of a
 # row's groups, [bn, G], which Mosaic tiles as is) and [bm, K] of x; each within TILE_BYTES.
 TILE_BYTES = 4 << 20
@@ -82,13 +84,8 @@ def int8_matmul_tpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: j
                     interpret: bool = False) -> jax.Array:
     """x [..., K] @ dequantize(qweight[layer], scale[layer]).T -> [..., N] in x's dtype;
     qweight [(L,) N, K], scale [(L,) N, G] (`why_not` is None for them)."""
-    if qweight.ndim == 2:
-        qweight, scale = qweight[None], scale[None]
-    _, n, k = qweight.shape
-    groups = scale.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    x2, qweight, scale, lead = as_stacked(x, qweight, scale)
+    (m, k), (_, n, _), groups = x2.shape, qweight.shape, scale.shape[-1]
     sub = 16 if x.dtype == jnp.bfloat16 else 8
     rows = max(sub, TILE_BYTES // (k * x.dtype.itemsize) // sub * sub)
     bm = min(BLOCK_M, rows, -(-m // sub) * sub)

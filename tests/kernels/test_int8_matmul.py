@@ -163,6 +163,15 @@ print("fallback ok")
     assert "CPU int8 kernel unavailable" in run.stderr
 
 
+def small_int_operands(seed: int, values: str, m: int, n: int, k: int, groups: int):
+    """bf16 x [m, k] and 3 stacked layers of values in [-7, 7] (exact in int4, int8 and fp8)
+    with scales [3, n, groups]: the accelerator kernels' operands."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.integers(-7, 8, (3, n, k)), jnp.float32).astype(jnp.dtype(values))
+    s = jnp.asarray(rng.uniform(0.01, 0.1, (3, n, groups)), jnp.float32)
+    return jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16), q, s
+
+
 @pytest.mark.parametrize("values,groups,k,m", [
     ("int8", 1, 512, 5), ("int8", 8, 512, 16), ("int4", 4, 512, 33), ("float8_e4m3fn", 2, 512, 3),
     ("float8_e4m3fn", 1, 512, 40), ("int8", 128, 8192, 2)])  # the last: scales [N, G] as they lie
@@ -172,11 +181,7 @@ def test_tpu_kernel_equals_float64_in_interpret_mode(values: str, groups: int, k
     the XLA reference is (the kernel scales float32 partial products per group)."""
     from kernels_pallas.int8_matmul import tpu
 
-    rng = np.random.default_rng(3)
-    n = 256
-    q = jnp.asarray(rng.integers(-7, 8, (3, n, k)), jnp.float32).astype(jnp.dtype(values))
-    s = jnp.asarray(rng.uniform(0.01, 0.1, (3, n, groups)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x, q, s = small_int_operands(3, values, m, 256, k, groups)
     assert tpu.why_not(x, q, s) is None
     truth = numpy_matmul(np.asarray(x, np.float64), np.asarray(q[1].astype(jnp.float32)), s[1])
     got = np.asarray(tpu.int8_matmul_tpu(x, q, s, jnp.int32(1), interpret=True), np.float64)
@@ -194,11 +199,7 @@ def test_gpu_kernel_equals_float64_in_interpret_mode(values: str, groups: int, m
     the TPU kernel's test; groups of 64 inputs (the int8 format's) included."""
     from kernels_pallas.int8_matmul import gpu
 
-    rng = np.random.default_rng(5)
-    n, k = 128, 512
-    q = jnp.asarray(rng.integers(-7, 8, (3, n, k)), jnp.float32).astype(jnp.dtype(values))
-    s = jnp.asarray(rng.uniform(0.01, 0.1, (3, n, groups)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x, q, s = small_int_operands(5, values, m, 128, 512, groups)
     assert gpu.why_not(x, q, s) is None
     truth = numpy_matmul(np.asarray(x, np.float64), np.asarray(q[2].astype(jnp.float32)), s[2])
     got = np.asarray(gpu.int8_matmul_gpu(x, q, s, jnp.int32(2), interpret=True), np.float64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -21,15 +22,23 @@ from jaxserve.models.model_files import read_hf_config
 _FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
+@functools.lru_cache(maxsize=8)
+def _header(path: str) -> tuple[int, dict[str, Any]]:
+    """(where the data starts, the JSON header) of a safetensors file, parsed once."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return 8 + size, json.loads(f.read(size))
+
+
 def _read_float8(path: str, name: str) -> np.ndarray | None:
     """Tensor `name` of a safetensors file if it is a float8 one, else None."""
+    data_start, header = _header(path)
+    info = header.get(name)
+    if not info or info.get("dtype") not in _FLOAT8:
+        return None
+    start, end = info["data_offsets"]  # from the end of the header
     with open(path, "rb") as f:
-        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        info = header.get(name)
-        if not info or info.get("dtype") not in _FLOAT8:
-            return None
-        start, end = info["data_offsets"]  # from the end of the header
-        f.seek(start, os.SEEK_CUR)
+        f.seek(data_start + start)
         data = f.read(end - start)
     return np.frombuffer(data, _FLOAT8[info["dtype"]]).reshape(info["shape"]).copy()
 

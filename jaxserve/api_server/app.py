@@ -1,6 +1,7 @@
-"""The FastAPI application: OpenAI routes, vLLM's utility routes, errors.
+"""The FastAPI application: OpenAI and Anthropic routes, vLLM's utility routes, errors.
 
-Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}} (Anthropic's
+{"type": "error", "error": {"type", "message"}} under /v1/messages): 400
 for anything the request got wrong (types, ranges, a prompt too long), 401
 without the API key (when one is set), 404 for an unknown model, 413 for a body
 over the size limit, 503 when the engine core is gone, 500 only for bugs (a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -44,10 +46,16 @@ from jaxserve.api_server.serving import (
     error_from_exception,
     error_response,
 )
+from jaxserve.api_server.messages_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_response,
+)
 from jaxserve.api_server.responses_protocol import ResponsesRequest
 from jaxserve.api_server.embedding_protocol import EmbeddingRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
+from jaxserve.api_server.serving_messages import AnthropicServingMessages
 from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
@@ -86,24 +94,25 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(chat)
+    messages = AnthropicServingMessages(chat)
     embedding = OpenAIServingEmbedding(ctx)
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
-        return error_response(e.message, e.status, e.param)
+    async def _openai_error(raw: Request, e: OpenAIError) -> JSONResponse:
+        return api_error(raw.scope, e.message, e.status, e.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(raw: Request, e: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(e.errors())
-        return error_response(message, HTTPStatus.BAD_REQUEST, param)
+        return api_error(raw.scope, message, HTTPStatus.BAD_REQUEST, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(e.detail), HTTPStatus(e.status_code))
+    async def _http_error(raw: Request, e: StarletteHTTPException) -> JSONResponse:
+        return api_error(raw.scope, str(e.detail), HTTPStatus(e.status_code))
 
     async def _other_error(raw: Request, e: Exception) -> JSONResponse:
         err = error_from_exception(e, f"{raw.method} {raw.url.path}")
-        return error_response(err.message, err.status, err.param)
+        return api_error(raw.scope, err.message, err.status, err.param)
 
     # The engine's refusals and its death are expected errors: handled here, not by the
     # catch-all, which Starlette re-raises into uvicorn's "Exception in ASGI application".
@@ -121,6 +130,28 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, responses.create_response(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(json.dumps(responses.retrieve(response_id)), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return Response(json.dumps(await responses.cancel(response_id)),
+                        media_type="application/json")
+
+    # Anthropic's clients add ?beta=true; its query parameters and beta headers are accepted.
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, raw: Request) -> Response:
+        return await run_until_disconnected(raw, messages.create_message(body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await messages.count_tokens(body)
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
@@ -180,6 +211,20 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     return app
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The request's path without --root-path (uvicorn puts it in front of the path)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def api_error(scope: dict[str, Any], message: str, status: HTTPStatus,
+              param: str | None = None) -> JSONResponse:
+    """The error in the shape of the API the request called: Anthropic's under /v1/messages."""
+    if route_path(scope).startswith("/v1/messages"):
+        return anthropic_error_response(message, status)
+    return error_response(message, status, param)
+
+
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """pydantic's errors -> (message, param). The field path keeps field names and list
     indices and drops pydantic's union-branch tags ("list[int]", "function-after[...]");
@@ -217,8 +262,8 @@ class BodySizeLimit:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = error_response(f"request body is larger than {self.max_bytes:,} bytes",
-                                   HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        too_large = api_error(scope, f"request body is larger than {self.max_bytes:,} bytes",
+                              HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) > self.max_bytes:
@@ -250,20 +295,23 @@ class BodySizeLimit:
 
 class ApiKeyAuth:
     """Every /v1 route, and /pooling (it runs the model too), needs `Authorization: Bearer
-    <key>` (vLLM's --api-key): 401 otherwise."""
+    <key>` (vLLM's --api-key) or `x-api-key: <key>` (Anthropic's clients send that): 401
+    otherwise."""
 
     def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):  # uvicorn puts --root-path in front of the path
-            path = path[len(root):]
+        path = route_path(scope)
         if scope["type"] == "http" and (path.startswith("/v1") or path == "/pooling"):
-            given = dict(scope.get("headers", ())).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response("invalid or missing API key (send Authorization: "
-                                          "Bearer <key>)", HTTPStatus.UNAUTHORIZED)
+            headers = dict(scope.get("headers", ()))
+            bearer = headers.get(b"authorization", b"")
+            # Both compared, always: the time taken says nothing about which one was sent.
+            ok = hmac.compare_digest(bearer, b"Bearer " + self.key)
+            ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or ok
+            if not ok:
+                response = api_error(scope, "invalid or missing API key (send Authorization: "
+                                     "Bearer <key>, or x-api-key: <key>)", HTTPStatus.UNAUTHORIZED)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

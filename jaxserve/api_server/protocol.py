@@ -113,10 +113,16 @@ class StreamOptions(OpenAIRequest):
         return bool(self.include_usage and self.continuous_usage_stats)
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's), or for the Messages and Responses APIs.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class JsonSchemaFormat(OpenAIRequest):

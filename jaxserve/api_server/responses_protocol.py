@@ -30,7 +30,8 @@ class ResponsesRequest(SamplingRequestFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" | "json_object"}}
-    store: bool | None = False
+    store: bool | None = None  # unset: true, OpenAI's default (kept, if the server keeps any)
+    background: bool | None = False
     previous_response_id: Text | None = None
     # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
     metadata: Annotated[dict[Annotated[Text, Field(max_length=64)],
@@ -39,7 +40,14 @@ class ResponsesRequest(SamplingRequestFields):
     # Accepted and echoed; jaxserve has no reasoning-effort knob (the model thinks or not).
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # Accepted; reasoning items carry `encrypted_content: null` (nothing is encrypted: the
+    # reasoning text is in their content). The other values ask for nothing jaxserve adds.
     include: list[Text] | None = None
+    # Sent by Codex and the OpenAI SDK; accepted and ignored (the prefix cache needs no key).
+    prompt_cache_key: Text | None = None
+    client_metadata: dict[str, Any] | None = None
+    safety_identifier: Text | None = None
+    service_tier: Text | None = None
 
 
 class ResponseUsage(OpenAIBaseModel):
@@ -55,7 +63,7 @@ class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     model: str
     output: list[dict[str, Any]] = Field(default_factory=list)
     usage: ResponseUsage | None = None
@@ -71,6 +79,7 @@ class ResponseObject(OpenAIBaseModel):
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     store: bool = False
+    background: bool = False
     temperature: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: Any = "auto"

@@ -78,6 +78,14 @@ class ServerArgs:
     reasoning_parser: str | None = field(default=None, metadata=cli_arg("server",
         "split <think>...</think> into the message's reasoning field",
         choices=sorted(REASONING_PARSERS)))
+    enable_prompt_tokens_details: bool = field(default=False, metadata=cli_arg("server",
+        "report usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache "
+        "served) in chat completions; the Messages and Responses APIs always report them",
+        action="store_true"))
+    responses_store_size: int = field(default=256, metadata=cli_arg("server",
+        "the Responses API keeps this many responses (store=true) in memory for GET, "
+        "previous_response_id and background polling; the oldest is evicted first; 0: none",
+        type=int))
     allowed_origins: tuple[str, ...] = field(default=("*",), metadata=cli_arg("server",
         "CORS: origins allowed to call the API (a JSON list)", type=json_list))
     allowed_methods: tuple[str, ...] = field(default=("*",), metadata=cli_arg("server",
@@ -128,6 +136,8 @@ class ServerArgs:
                                  "pip install -e '.[otel]'") from None
         if values["enable_auto_tool_choice"] and values["tool_call_parser"] is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if values["responses_store_size"] < 0:
+            raise ValueError(f"--responses-store-size must be >= 0, got {values['responses_store_size']}")
         gc = values["generation_config"]
         if gc not in ("auto", "vllm") and not os.path.isdir(gc):
             raise ValueError(f"--generation-config: {gc!r} is neither auto, vllm nor a folder")

@@ -132,6 +132,8 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    responses_store_size: int = 256  # --responses-store-size
     # /debug: request traces, the metrics behind its live counters, the flags diagnose's
     # advice names.
     traces: TraceStore = field(default_factory=lambda: TraceStore(enabled=False))

@@ -26,6 +26,7 @@ from jaxserve.api_server.protocol import (
     ChatCompletionStreamResponse,
     DeltaMessage,
     FunctionCall,
+    PromptTokensDetails,
     ResponseMessage,
     ToolCall,
     UsageInfo,
@@ -50,8 +51,26 @@ class OpenAIServingChat:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
-        """Validate, then generate; raises OpenAIError for a bad request."""
+    async def render_prompt(self, request: ChatCompletionRequest
+                            ) -> tuple[str, list[int], list[tuple[str, float, float]]]:
+        """The request's prompt: its text, its token ids and the time spans they took."""
+        ctx = self.ctx
+        t0 = time.time()
+        text = await ctx.render_chat(request.messages, request.add_generation_prompt,
+                                     request.continue_final_message, request.chat_template_kwargs,
+                                     request.chat_template, template_tools(request))
+        t1 = time.time()
+        # The template already holds the special tokens (BOS etc.), as in vLLM.
+        token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
+        return text, token_ids, [("chat_template", t0, t1), ("tokenize", t1, time.time())]
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, *,
+                                     fit_max_tokens: bool = False,
+                                     prompt_details: bool = False) -> Response:
+        """Validate, then generate; raises OpenAIError for a bad request. The Messages and
+        Responses translations ask for `fit_max_tokens` (a max_tokens beyond the context left
+        is served up to what is left, not refused) and `prompt_details` (the usage's cached
+        prompt tokens, which plain chat reports under --enable-prompt-tokens-details)."""
         ctx = self.ctx
         received = time.time()
         ctx.check_model(request.model)
@@ -60,16 +79,13 @@ class OpenAIServingChat:
         except ToolChoiceError as e:
             raise OpenAIError(str(e), param=e.param) from None
         num_top = self._num_top_logprobs(request)
-        t0 = time.time()
-        text = await ctx.render_chat(request.messages, request.add_generation_prompt,
-                                     request.continue_final_message, request.chat_template_kwargs,
-                                     request.chat_template, template_tools(request))
-        t1 = time.time()
-        # The template already holds the special tokens (BOS etc.), as in vLLM.
-        token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
-        spans = [("chat_template", t0, t1), ("tokenize", t1, time.time())]
+        text, token_ids, spans = await self.render_prompt(request)
         requested = request.max_completion_tokens
-        max_tokens = ctx.check_prompt(token_ids, request.max_tokens if requested is None else requested)
+        requested = request.max_tokens if requested is None else requested
+        if fit_max_tokens and requested is not None:
+            requested = min(requested, max(ctx.max_model_len - len(token_ids), 1))
+        max_tokens = ctx.check_prompt(token_ids, requested)
+        details = prompt_details or ctx.enable_prompt_tokens_details
         structured = await ctx.structured_outputs(request)
         grammar = tool_grammar(request, mode)
         if grammar is not None:
@@ -94,14 +110,14 @@ class OpenAIServingChat:
         parsers = [ChatOutputParser(mode, reasoning) for _ in range(request.n)]
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, token_ids, gen,
-                                                  parsers),
+                                                  parsers, details),
                                      media_type="text/event-stream")
         final = None
         async with aclosing(gen) as results:
             async for res in results:
                 final = res
         assert final is not None
-        return Response(self._full_response(request, request_id, created, final, parsers)
+        return Response(self._full_response(request, request_id, created, final, parsers, details)
                         .model_dump_json(), media_type="application/json")
 
     @staticmethod
@@ -112,7 +128,7 @@ class OpenAIServingChat:
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, created: int,
-                       res: RequestOutput, parsers: list[ChatOutputParser]
+                       res: RequestOutput, parsers: list[ChatOutputParser], details: bool
                        ) -> ChatCompletionResponse:
         choices = []
         for out in res.outputs:
@@ -129,23 +145,26 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated),
+                            total_tokens=num_prompt + num_generated,
+                            prompt_tokens_details=prompt_details(res, details)),
             prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
             prompt_token_ids=list(res.prompt_token_ids or []) if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None],
-                      parsers: list[ChatOutputParser]) -> AsyncIterator[str]:
+                      parsers: list[ChatOutputParser], details: bool) -> AsyncIterator[str]:
         n, model = request.n, self.ctx.model_name
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.usage_on_every_chunk)
         exclude = None if include_usage else {"usage"}
         sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        last: RequestOutput | None = None
 
         def usage() -> UsageInfo:
             num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                             total_tokens=num_prompt + num_generated)
+                             total_tokens=num_prompt + num_generated,
+                             prompt_tokens_details=prompt_details(last, details))
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   prompt_ids: list[int] | None = None) -> str:
@@ -165,7 +184,7 @@ class OpenAIServingChat:
                     prompt_token_ids if request.return_token_ids and k == 0 else None)
             async with aclosing(gen) as results:
                 async for res in results:
-                    choices = []
+                    last, choices = res, []
                     for out in res.outputs:
                         k = out.index
                         if done[k]:
@@ -202,6 +221,13 @@ class OpenAIServingChat:
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
+
+
+def prompt_details(res: RequestOutput | None, wanted: bool) -> PromptTokensDetails | None:
+    """The usage's cached prompt tokens (those the prefix cache served), when asked for."""
+    if not wanted:
+        return None
+    return PromptTokensDetails(cached_tokens=(res.num_cached_tokens or 0) if res else 0)
 
 
 def response_message(parser: ChatOutputParser, text: str) -> ResponseMessage:

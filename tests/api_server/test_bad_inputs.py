@@ -163,6 +163,12 @@ def test_api_key_guards_v1_and_pooling(server: RemoteServer) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in server.client().models.list().data] == [MODEL]
+    # Anthropic's clients send x-api-key, and read Anthropic's error envelope.
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url("/v1/messages"), json=body, headers={"x-api-key": "wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+    r = httpx.post(server.url("/v1/messages"), json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 1, r.text
 
 
 def test_cors_preflight_passes_before_the_key_check(server: RemoteServer) -> None:
@@ -214,7 +220,8 @@ def test_request_chat_template_needs_trust(server: RemoteServer) -> None:
 def _schemathesis_case_ok(case: Any) -> None:
     if isinstance(case.body, dict) and case.path.startswith("/v1/"):
         # Keep generation short: the point is validation, not decoding 500 tokens per example.
-        fields = [f for f in ("max_tokens", "max_completion_tokens") if f in case.body]
+        fields = [f for f in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+                  if f in case.body]
         for field in fields or ["max_tokens"]:
             if not isinstance(case.body.get(field), int) or case.body[field] > 4:
                 case.body[field] = 4

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +24,8 @@ TOOL = {"type": "function", "name": "get_weather", "description": "The weather i
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser",
-                       "hermes"]) as s:
-        yield s
+def server(agent_server: RemoteServer) -> RemoteServer:
+    return agent_server
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +93,9 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", ["input_image"]),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content", ["input_file"]),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", ["web_search"]),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+     "tool_choice", ["web_search"]),
+    ({"input": "x", "background": True, "store": False}, "background", ["store"]),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", ["file_search"]),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", ["yaml"]),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ["greater than"]),
@@ -105,6 +106,75 @@ def test_unsupported_items_and_tools_are_400s(server: RemoteServer, body: dict, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and all(w in err["message"] for w in words), err
+
+
+def test_store_get_delete_evict_and_usage(client: openai.OpenAI) -> None:
+    """store defaults to true; the server keeps the last --responses-store-size (4 here)."""
+    kw = dict(model=MODEL, input="Name a colour.", max_output_tokens=8, temperature=0.0,
+              include=["reasoning.encrypted_content"], prompt_cache_key="k",
+              extra_body={"client_metadata": {"a": "b"}})
+    first = client.responses.create(**kw)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    again = client.responses.create(**kw)  # the same prompt: the prefix cache serves it
+    assert again.usage.input_tokens == first.usage.input_tokens
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+    assert again.usage.output_tokens_details.reasoning_tokens == 0
+    client.responses.delete(again.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(again.id)
+    later = [client.responses.create(**kw).id for _ in range(4)]
+    with pytest.raises(openai.NotFoundError):  # evicted: the oldest goes first
+        client.responses.retrieve(first.id)
+    assert client.responses.retrieve(later[0]).id == later[0]
+    unstored = client.responses.create(**{**kw, "store": False})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_background_polled_and_cancelled(client: openai.OpenAI) -> None:
+    done = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8,
+                                   background=True)
+    assert done.status == "queued" and done.background
+    for _ in range(600):
+        polled = client.responses.retrieve(done.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    assert polled.status in ("completed", "incomplete") and polled.usage.output_tokens > 0
+    # A long one, cancelled while it runs; its conversation cannot be continued.
+    running = client.responses.create(model=MODEL, input="Count to a thousand.",
+                                      max_output_tokens=400, background=True,
+                                      extra_body={"ignore_eos": True})
+    time.sleep(1.0)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="has not completed"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=running.id)
+    with pytest.raises(openai.BadRequestError, match="only background"):
+        client.responses.cancel(client.responses.create(model=MODEL, input="x",
+                                                        max_output_tokens=1).id)
+
+
+def test_codex_tools_namespace_and_hosted(client: openai.OpenAI) -> None:
+    """Codex's tools: a namespace of functions (a call names its namespace) and a hosted
+    web_search (skipped: the server cannot search)."""
+    ns = {"type": "namespace", "name": "weather_v1", "description": "Weather tools",
+          "tools": [{**TOOL, "strict": False}]}
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                tools=[ns, {"type": "web_search", "external_web_access": False}],
+                                tool_choice="required", temperature=0.0, max_output_tokens=60,
+                                reasoning={"summary": "auto"})
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert (call.namespace, call.name) == ("weather_v1", "get_weather")
+    follow = client.responses.create(
+        model=MODEL, tools=[ns], temperature=0.0, max_output_tokens=20, input=[
+            {"type": "message", "role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "namespace": call.namespace, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete") and follow.output
 
 
 def test_the_agents_sdk_default_model_runs_a_function_tool(server: RemoteServer) -> None:

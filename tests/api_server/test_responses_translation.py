@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from jaxserve.api_server.serving import OpenAIError
-from jaxserve.api_server.serving_responses import StreamEvents, input_messages, output_items
+from jaxserve.api_server.responses_items import StreamEvents, input_messages, output_items
 
 
 def test_input_items_become_chat_messages() -> None:
@@ -78,7 +78,7 @@ def test_chat_deltas_become_the_responses_event_sequence() -> None:
         {"id": "call_1", "function": {"name": "f", "arguments": '{"a": 1}'}}]})
     strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]  # noqa: E731
     assert strip(whole) == strip(ev.items)
-    assert ev.as_message() == {"content": "Hello", "tool_calls": [
+    assert ev.as_message() == {"content": "Hello", "reasoning": "hmm", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
 
 
@@ -99,10 +99,11 @@ class RecordingChat:
     chat requests the translation made: the Responses-side logic without a model."""
 
     def __init__(self, reply: Any) -> None:
-        self.ctx = SimpleNamespace(model_name="m")
+        self.ctx = SimpleNamespace(model_name="m", responses_store_size=8, tokenizer=None,
+                                   check_model=lambda model: None)
         self.reply, self.requests = reply, []
 
-    async def create_chat_completion(self, request: Any) -> Any:
+    async def create_chat_completion(self, request: Any, **_: Any) -> Any:
         self.requests.append(request)
         return self.reply()
 
@@ -142,4 +143,5 @@ def test_instructions_apply_to_one_request_and_a_failed_stream_ends_failed() -> 
     got = asyncio.run(events())
     assert [e["type"] for e in got][-2:] == ["error", "response.failed"]
     assert got[-1]["response"]["error"]["message"] == "structured output failed: row limit"
-    assert not serving.store
+    (failed,) = serving.store.items.values()  # kept as failed, with no conversation to continue
+    assert failed.response["status"] == "failed" and failed.conversation is None

@@ -232,7 +232,10 @@ def chat_tools(tools: list[dict[str, Any]] | None, choice: Any
             ns = tool.get("name")
             if not isinstance(ns, str) or not ns:
                 raise OpenAIError(f"tools[{i}]: a namespace needs a name", param="tools")
-            for inner in tool.get("tools") or []:
+            inner_tools = tool.get("tools")
+            if not isinstance(inner_tools, list):
+                raise OpenAIError(f"tools[{i}]: a namespace's tools must be a list", param="tools")
+            for inner in inner_tools:
                 if isinstance(inner, dict) and inner.get("type") == "function":
                     functions.append((ns, inner))
                 else:

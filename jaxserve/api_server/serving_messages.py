@@ -332,6 +332,8 @@ def chat_tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None
     if choice is None:
         return out, None
     kind = choice.get("type")
+    if not isinstance(kind, str):
+        raise OpenAIError("tool_choice.type must be a string", param="tool_choice")
     if kind == "tool":
         name = choice.get("name")
         if name in skipped:

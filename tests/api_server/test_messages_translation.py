@@ -93,3 +93,28 @@ def test_stop_reasons_and_usage() -> None:
                      "prompt_tokens_details": {"cached_tokens": 32}}) == {
         "input_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32,
         "output_tokens": 3}
+
+
+def test_a_quiet_stream_gets_keep_alives_and_closes_cleanly() -> None:
+    import asyncio
+    from contextlib import aclosing
+
+    from jaxserve.api_server.chat_translation import with_heartbeat
+
+    async def slow():
+        await asyncio.sleep(0.25)
+        yield {"n": 1}
+        await asyncio.sleep(10)  # never reached: the reader stops first
+        yield {"n": 2}
+
+    async def read() -> list:
+        got = []
+        async with aclosing(slow()) as events, aclosing(with_heartbeat(events, 0.1)) as beats:
+            async for e in beats:
+                got.append(e)
+                if e is not None:
+                    break
+        return got
+
+    got = asyncio.run(read())
+    assert got[-1] == {"n": 1} and got[:-1] and all(e is None for e in got[:-1])

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from jaxserve.api_server.protocol import (
+    INT32_MAX,
     Int64,
     NonEmptyText,
     OpenAIBaseModel,
@@ -25,7 +26,7 @@ MAX_INPUTS = 2048
 
 class EmbeddingRequest(OpenAIRequest):
     """OpenAI's embeddings request; vLLM's extras: `normalize` (None: --pooler-config's),
-    `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
+    `truncate_prompt_tokens` / `truncation_side` (as in completions),
     `add_special_tokens`, `priority`."""
 
     model: Text | None = None
@@ -39,7 +40,8 @@ class EmbeddingRequest(OpenAIRequest):
     dimensions: Annotated[WholeInt, Field(ge=1)] | None = None
     user: Text | None = None
     normalize: bool | None = None
-    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1)] | None = None
+    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool = True
     priority: Int64 = 0
 

@@ -192,6 +192,13 @@ class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     guided_grammar: Text | None = None
     # vLLM's: the prompt's and the output's token ids beside the text (completions and chat).
     return_token_ids: bool | None = None
+    # vLLM's: keep k of the prompt's tokens (-1: as many as leave room for one output token),
+    # the last k ("left", the default: the start is cut) or the first ("right").
+    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprobs name each token "token_id:N" (a token that is not valid UTF-8 alone
+    # stays unambiguous).
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("stream_options")
     @classmethod

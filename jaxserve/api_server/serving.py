@@ -183,10 +183,31 @@ class ServingContext:
             raise OpenAIError(f"{param} needs the model's tokenizer, and the server was started "
                               "with --skip-tokenizer-init: send token ids", param=param)
 
-    async def tokenize(self, text: str, param: str = "prompt", **kwargs: Any) -> list[int]:
+    async def tokenize(self, text: str, param: str = "prompt", truncating: bool = False,
+                       **kwargs: Any) -> list[int]:
+        """`text`'s token ids. Unless it will be truncated, a text too long for max_model_len
+        is refused before it is tokenized (the body's size limit bounds the rest)."""
         self.need_tokenizer(param)
-        self.check_text_size(text, param)
+        if not truncating:
+            self.check_text_size(text, param)
         return (await self.off_loop(self.tokenizer, text, **kwargs)).input_ids
+
+    def truncate(self, token_ids: list[int], keep: int | None, side: str | None,
+                 room: int = 1) -> list[int]:
+        """vLLM's truncate_prompt_tokens: `keep` of the prompt's tokens, the last ones unless
+        `side` is "right"; -1 keeps as many as leave `room` (the tokens asked for) in
+        max_model_len."""
+        if keep is None:
+            return token_ids
+        limit = self.max_model_len
+        if keep > limit:
+            raise OpenAIError(f"truncate_prompt_tokens value ({keep}) is greater than "
+                              f"max_model_len ({limit}). Please request a smaller truncation "
+                              "size.", param="truncate_prompt_tokens")  # vLLM's words
+        keep = max(limit - room, 1) if keep == -1 else keep
+        if keep >= len(token_ids):
+            return token_ids
+        return token_ids[:keep] if side == "right" else token_ids[len(token_ids) - keep:]
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of `token_ids`; "" without a tokenizer (vLLM's skip_tokenizer_init)."""
@@ -352,6 +373,11 @@ def stop_holdback(request: SamplingRequestFields) -> int:
 def visible_text_end(text: str, sent: int, finished: bool, holdback: int) -> int:
     """How far into `text` a stream may send now."""
     return len(text) if finished else max(len(text) - holdback, sent)
+
+
+def logprob_token(token_id: int, lp: Any, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
 
 
 def clamp_logprob(v: float) -> float:

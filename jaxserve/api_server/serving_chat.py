@@ -37,6 +37,7 @@ from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
     clamp_logprob,
+    logprob_token,
     prompt_logprobs_info,
     sse,
     sse_error,
@@ -61,7 +62,13 @@ class OpenAIServingChat:
                                      request.chat_template, template_tools(request))
         t1 = time.time()
         # The template already holds the special tokens (BOS etc.), as in vLLM.
-        token_ids = await ctx.tokenize(text, "messages", add_special_tokens=False)
+        keep = request.truncate_prompt_tokens
+        token_ids = await ctx.tokenize(text, "messages", truncating=keep is not None,
+                                       add_special_tokens=False)
+        asked = request.max_completion_tokens or request.max_tokens
+        kept = ctx.truncate(token_ids, keep, request.truncation_side, room=asked or 1)
+        if len(kept) < len(token_ids):
+            text, token_ids = ctx.decode(kept), kept
         return text, token_ids, [("chat_template", t0, t1), ("tokenize", t1, time.time())]
 
     async def create_chat_completion(self, request: ChatCompletionRequest, *,
@@ -125,6 +132,9 @@ class OpenAIServingChat:
         if request.top_logprobs is not None:
             if not request.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if request.return_tokens_as_token_ids and not request.logprobs:
+            raise OpenAIError("return_tokens_as_token_ids names the tokens of logprobs: it "
+                              "needs logprobs=true", param="return_tokens_as_token_ids")
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, created: int,
@@ -134,7 +144,8 @@ class OpenAIServingChat:
         for out in res.outputs:
             lps = None
             if request.logprobs and out.logprobs is not None:
-                lps = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+                lps = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
+                                    bool(request.return_tokens_as_token_ids))
             parser = parsers[out.index]
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=response_message(parser, out.text), logprobs=lps,
@@ -201,7 +212,8 @@ class OpenAIServingChat:
                         lps = None
                         if request.logprobs and out.logprobs is not None:
                             lps = chat_logprobs(new_tokens, out.logprobs[sent_tokens[k]:len(out.token_ids)],
-                                                request.top_logprobs or 0)
+                                                request.top_logprobs or 0,
+                                                bool(request.return_tokens_as_token_ids))
                         sent_chars[k], sent_tokens[k], done[k] = end, len(out.token_ids), finished
                         choices.append(ChatCompletionResponseStreamChoice(
                             index=k, delta=delta_message(delta), logprobs=lps,
@@ -249,18 +261,18 @@ def delta_message(d: ChatDelta) -> DeltaMessage:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  num_top: int) -> ChatCompletionLogProbs:
-    """Per token: its text, logprob and UTF-8 bytes, and the `num_top` most likely tokens."""
+                  num_top: int, as_ids: bool = False) -> ChatCompletionLogProbs:
+    """Per token: its text (`as_ids`: "token_id:N"), logprob and UTF-8 bytes, and the
+    `num_top` most likely tokens."""
     content = []
     for tid, entry in zip(token_ids, logprobs):
-        sampled = entry[tid]
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
-                     key=lambda lp: lp.rank)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda p: p[1].rank)
+        token = logprob_token(tid, entry[tid], as_ids)
         content.append(ChatCompletionLogProbsContent(
-            token=sampled.decoded_token or "", logprob=clamp_logprob(sampled.logprob),
-            bytes=list((sampled.decoded_token or "").encode()),
-            top_logprobs=[ChatCompletionLogProb(token=lp.decoded_token or "",
+            token=token, logprob=clamp_logprob(entry[tid].logprob), bytes=list(token.encode()),
+            top_logprobs=[ChatCompletionLogProb(token=(name := logprob_token(t, lp, as_ids)),
                                                 logprob=clamp_logprob(lp.logprob),
-                                                bytes=list((lp.decoded_token or "").encode()))
-                          for lp in top]))
+                                                bytes=list(name.encode()))
+                          for t, lp in top]))
     return ChatCompletionLogProbs(content=content)

@@ -22,6 +22,7 @@ from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
     clamp_logprob,
+    logprob_token,
     merge_async_iterators,
     prompt_logprobs_info,
     sse,
@@ -50,6 +51,9 @@ class OpenAIServingCompletion:
         ctx.check_model(request.model)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
+        if request.return_tokens_as_token_ids and request.logprobs is None:
+            raise OpenAIError("return_tokens_as_token_ids names the tokens of logprobs: it "
+                              "needs logprobs", param="return_tokens_as_token_ids")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (it must equal n)", param="best_of")
         # vLLM's echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated;
@@ -58,7 +62,7 @@ class OpenAIServingCompletion:
         if echo_only and not request.echo:
             raise OpenAIError("max_tokens must be at least 1, got 0 (0 only with echo: the "
                               "prompt back with its logprobs)", param="max_tokens")
-        prompts = await self._prompts(request.prompt)
+        prompts = await self._prompts(request)
         spans = [("tokenize", received, time.time())]
         if len(prompts) * request.n > MAX_SEQUENCES:
             raise OpenAIError(f"{len(prompts)} prompts x n={request.n} exceeds {MAX_SEQUENCES} "
@@ -105,8 +109,18 @@ class OpenAIServingCompletion:
                                                choices=[], usage=full.usage).model_dump_json())
         yield "data: [DONE]\n\n"
 
-    async def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) of each prompt; texts tokenized off the event loop."""
+    async def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt, truncated as asked; texts tokenized off
+        the event loop. A truncated text prompt is its kept tokens (text None)."""
+        keep, side = request.truncate_prompt_tokens, request.truncation_side
+        out = []
+        for text, ids in await self._tokenized(request.prompt, keep is not None):
+            kept = self.ctx.truncate(ids, keep, side, room=request.max_tokens or 1)
+            out.append((text, ids) if len(kept) == len(ids) else (None, kept))
+        return out
+
+    async def _tokenized(self, prompt: Any, truncating: bool
+                         ) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -119,7 +133,7 @@ class OpenAIServingCompletion:
         out: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, await self.ctx.tokenize(p)))
+                out.append((p, await self.ctx.tokenize(p, truncating=truncating)))
             else:
                 out.append((None, list(p)))
         return out
@@ -249,42 +263,43 @@ class OpenAIServingCompletion:
                   logprobs: list[dict[int, Logprob]], text_offset: int) -> CompletionLogProbs:
         """The output tokens' logprobs; with echo, the prompt's first (OpenAI's echo +
         logprobs: the first prompt token has none)."""
+        as_ids = bool(request.return_tokens_as_token_ids)
         if not request.echo:
-            return completion_logprobs(token_ids, logprobs, text_offset)
+            return completion_logprobs(token_ids, logprobs, text_offset, as_ids)
         ids = prompts[i][1]
         plps = res.prompt_logprobs or [None] * len(ids)
         result = CompletionLogProbs()
         for tid, entry in zip(ids, plps):
-            token = self.ctx.decode([tid])
+            token = f"token_id:{tid}" if as_ids else self.ctx.decode([tid])
             result.tokens.append(token)
             result.text_offset.append(text_offset)
             if entry is None:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
-                top = sorted(entry.values(), key=lambda lp: lp.rank or 0)
                 result.token_logprobs.append(clamp_logprob(entry[tid].logprob))
-                result.top_logprobs.append({(lp.decoded_token or ""): clamp_logprob(lp.logprob)
-                                            for lp in top[: 1 + (request.logprobs or 0)]})
+                top = sorted(entry.items(), key=lambda p: p[1].rank or 0)
+                result.top_logprobs.append({logprob_token(t, lp, as_ids): clamp_logprob(lp.logprob)
+                                            for t, lp in top[: 1 + (request.logprobs or 0)]})
             text_offset += len(token)
-        rest = completion_logprobs(token_ids, logprobs, text_offset)
+        rest = completion_logprobs(token_ids, logprobs, text_offset, as_ids)
         for name in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
             getattr(result, name).extend(getattr(rest, name))
         return result
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                        text_offset: int) -> CompletionLogProbs:
+                        text_offset: int, as_ids: bool = False) -> CompletionLogProbs:
     """OpenAI's legacy logprobs: per token its text, offset, logprob and top candidates
     (the sampled token included, as vLLM does)."""
     result = CompletionLogProbs()
     for tid, entry in zip(token_ids, logprobs):
         sampled = entry[tid]
-        token = sampled.decoded_token or ""
+        token = logprob_token(tid, sampled, as_ids)
         result.tokens.append(token)
         result.token_logprobs.append(clamp_logprob(sampled.logprob))
         result.text_offset.append(text_offset)
         result.top_logprobs.append(
-            {(lp.decoded_token or ""): clamp_logprob(lp.logprob) for lp in entry.values()})
+            {logprob_token(t, lp, as_ids): clamp_logprob(lp.logprob) for t, lp in entry.items()})
         text_offset += len(token)
     return result

@@ -95,8 +95,7 @@ class OpenAIServingEmbedding:
         return res.outputs.embedding
 
     async def _inputs(self, request: EmbeddingRequest) -> list[list[int]]:
-        """Each input's token ids (texts tokenized off the event loop), truncated to the
-        last `truncate_prompt_tokens` if asked."""
+        """Each input's token ids (texts tokenized off the event loop), truncated as asked."""
         raw = request.input
         if isinstance(raw, str):
             raw = [raw]
@@ -106,11 +105,10 @@ class OpenAIServingEmbedding:
         for item in raw:
             if isinstance(item, str):
                 ids = await self.ctx.tokenize(item, "input",
+                                              truncating=request.truncate_prompt_tokens is not None,
                                               add_special_tokens=request.add_special_tokens)
             else:
                 ids = list(item)
-            k = request.truncate_prompt_tokens
-            if k is not None:
-                ids = ids[-(self.ctx.max_model_len - 1 if k == -1 else k):] if k else []
-            out.append(ids)
+            out.append(self.ctx.truncate(ids, request.truncate_prompt_tokens,
+                                         request.truncation_side))
         return out

@@ -16,6 +16,8 @@ re-serialized), so what a stream sent is always a prefix of the final arguments.
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import re
 from dataclasses import dataclass
@@ -200,16 +202,55 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 def required_tools_schema(tools: list[tuple[str, dict | None]], parallel: bool) -> dict:
     """The JSON schema that enforces tool_choice "required": a list of calls (one at most
     unless `parallel`), each naming one of `tools` (name, parameters schema) with its
-    parameters (vLLM's shape)."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [name]},
-                             "parameters": params if params else {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, params in tools]
+    parameters (vLLM's shape). Each tool's `$defs` move to the root, where its `$ref`
+    pointers (`#/$defs/...`, what pydantic writes for nested models) can reach them."""
+    defs: dict[str, Any] = {}
+    items = []
+    for name, params in tools:
+        params = hoist_defs(params, defs) if params else {"type": "object"}
+        items.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [name]},
+                                     "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def hoist_defs(schema: dict, defs: dict[str, Any]) -> dict:
+    """`schema` without its `$defs` (or `definitions`), which join `defs`; a name another tool
+    already defined differently gets a suffix, and the pointers to it follow."""
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    if not own:
+        return schema
+    renames: dict[str, str] = {}
+    for key, body in own.items():
+        new, k = key, 1
+        while new in defs and defs[new] != body:
+            new, k = f"{key}_{k}", k + 1
+        renames[key] = new
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for prefix in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(prefix):
+                        head, _, rest = ref[len(prefix):].partition("/")
+                        if head in renames:
+                            out["$ref"] = f"#/$defs/{renames[head]}" + (f"/{rest}" if rest else "")
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for key, body in own.items():
+        defs[renames[key]] = rewrite(body)
+    return rewrite(schema)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -329,6 +329,37 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
         model=MODEL, messages=HI, max_tokens=1).usage.prompt_tokens
 
 
+def test_truncate_prompt_tokens(server: RemoteServer, client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens (truncation_side "right": the first),
+    -1 as many as fit; a text too long for the context is served once truncated."""
+    ids = post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0)
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5])):
+        r = client.completions.create(prompt=PROMPTS[0], extra_body={
+            "truncate_prompt_tokens": 5, "truncation_side": side}, **kw)
+        assert r.usage.prompt_tokens == 5
+        assert r.choices[0].text == client.completions.create(prompt=kept, **kw).choices[0].text
+    huge = "word " * 3000  # about 3,000 tokens against max_model_len 512
+    r = client.completions.create(prompt=huge, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert r.usage.prompt_tokens == 512 - 4  # room for max_tokens
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": huge}],
+                                          extra_body={"truncate_prompt_tokens": 100}, **kw)
+    assert chat.usage.prompt_tokens == 100
+
+
+def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    c = client.completions.create(prompt=PROMPTS[0], logprobs=2, echo=True, **kw).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in c.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in c.logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in c.logprobs.top_logprobs[1:] for k in top)
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=1).usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(messages=HI, logprobs=True, top_logprobs=2, **kw)
+    content = chat.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") and bytes(e.bytes).decode() == e.token
+               and all(t.token.startswith("token_id:") for t in e.top_logprobs) for e in content)
+
+
 # --- errors -----------------------------------------------------------------------------
 
 
@@ -360,8 +391,12 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
      "stream_options", ["`stream=True`"]),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search",
      ["use_beam_search is not supported"]),
-    ("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 8}, 400,
-     "truncate_prompt_tokens", ["not supported", "None"]),
+    ("/v1/chat/completions", {"messages": HI, "truncate_prompt_tokens": 513}, 400,
+     "truncate_prompt_tokens", ["(513) is greater than max_model_len (512)"]),
+    ("/v1/chat/completions", {"messages": HI, "return_tokens_as_token_ids": True}, 400,
+     "return_tokens_as_token_ids", ["needs logprobs"]),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}, 400,
+     "truncate_prompt_tokens", ["greater than or equal to -1"]),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids",
      ["49152", "1000000"]),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids",

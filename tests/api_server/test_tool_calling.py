@@ -76,6 +76,27 @@ def test_a_required_tool_call_returns_valid_arguments(client: openai.OpenAI) -> 
     assert content == "" and finish == "tool_calls"
 
 
+def test_tool_schemas_with_defs(client: openai.OpenAI) -> None:
+    """Parameters as pydantic writes a nested model: `$ref` into `$defs`. Two tools define
+    `Opts` differently; "required" and a named choice both follow the pointers."""
+    def tool(name: str, opts: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["city", "opts"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "opts": {"$ref": "#/$defs/Opts"}},
+            "$defs": {"Opts": opts}}}}
+    units = {"type": "object", "required": ["unit"], "additionalProperties": False,
+             "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}
+    days = {"type": "object", "required": ["days"], "additionalProperties": False,
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+    tools = [tool("weather", units), tool("forecast", days)]
+    for choice in ("required", {"type": "function", "function": {"name": "forecast"}}):
+        r = client.chat.completions.create(messages=ASK, tools=tools, tool_choice=choice, **GREEDY)
+        for call in r.choices[0].message.tool_calls:
+            params = next(t for t in tools if t["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), params["function"]["parameters"])
+
+
 def test_named_tool_choice_streams_its_arguments(client: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
     chunks = list(client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice=choice,

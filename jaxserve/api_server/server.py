@@ -83,6 +83,9 @@ async def run_server(args: ServerArgs, config: EngineConfig,
             ready.max_model_len, ready.max_num_seqs, t.get("load_s", 0.0),
             f"{t['compile_s']:.1f} s" if "compile_s" in t else "lazy (--enforce-eager)",
         )
+        metrics.record_cache_config(ready.block_size, ready.num_blocks,
+                                    str(ready.resolved.kv_cache_dtype.value),
+                                    config.cache_config.enable_prefix_caching)
         ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
                              processor=front.processor(ready.max_model_len, ready.vocab_size,
                                                        config.pooler_config, args.max_logprobs),

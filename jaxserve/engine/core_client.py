@@ -245,6 +245,8 @@ class EngineClient:
                 self._children[cid] = request_id
                 self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
             self._input.send(frame, zmq.NOBLOCK)
+            if self.metrics is not None and pooling_params is None:
+                self.metrics.record_request_params(len(children), params.max_tokens)
             if trace is not None:
                 trace.add("engine_core", "sent", time.time(), engine=self.engine_index)
         except BaseException:
@@ -320,6 +322,7 @@ class EngineClient:
                 s = self._req_stats.get(out.req_id)
                 if s is not None:
                     self.metrics.record_output(s, out, now)
+            self.metrics.end_iteration()
         results, to_abort = self.output_processor.process_outputs(outputs)
         for out in outputs:
             if out.finish_reason is not None:

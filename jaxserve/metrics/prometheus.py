@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix.
+"""Prometheus metrics under vLLM's names (`vllm:...`, its labels and buckets), so that vLLM's
+Grafana dashboard, the production-stack router and llm-d's scheduler read jaxserve unchanged;
+a metric vLLM lacks has a `jaxserve:` name.
 
 Scheduler gauges and counters come from the engine process with each batch of
 outputs (`SchedulerStats`); per-request latencies are built here from each
@@ -32,7 +34,8 @@ from prometheus_client import (
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.stats import SchedulerStats, StepStats
 
-PREFIX = "jaxserve:"
+PREFIX = "vllm:"
+OWN_PREFIX = "jaxserve:"  # metrics vLLM has no name for
 
 # vLLM's buckets.
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -42,6 +45,8 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0]
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+_ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]
 
 
 @dataclass
@@ -103,7 +108,8 @@ class ServerMetrics:
         self._accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
             ["model_name", "position"], registry=r)
-        self._routed = Counter(PREFIX + "engine_requests_routed", "Requests sent to each data-parallel engine.",
+        self._routed = Counter(OWN_PREFIX + "engine_requests_routed",
+                               "Requests sent to each data-parallel engine.",
                                ["model_name", "engine"], registry=r)
         self._request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
                                         ["model_name", "finished_reason"], registry=r)
@@ -127,6 +133,33 @@ class ServerMetrics:
             "request_prompt_tokens", "Prompt length of finished requests.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Output length of finished requests.", _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step (prompt tokens of requests that "
+            "reached their first token, and generated tokens).", _ITERATION_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", _TOKEN_BUCKETS)
+        self._cache_config = Gauge(PREFIX + "cache_config_info", "Information of the KV cache.",
+                                   ["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
+                                    "enable_prefix_caching"], registry=r)
+        self._iteration = 0  # tokens of the engine step being recorded
+
+    def record_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str,
+                            enable_prefix_caching: bool) -> None:
+        """vLLM's info gauge (1, the facts in its labels); `num_gpu_blocks` is vLLM's name for
+        the KV pages, whatever the device."""
+        self._cache_config.labels(self._model_name, str(block_size), str(num_blocks), cache_dtype,
+                                  str(enable_prefix_caching)).set(1)
+
+    def record_request_params(self, n: int, max_tokens: int) -> None:
+        self.request_params_n.observe(n)
+        self.request_params_max_tokens.observe(max_tokens)
+
+    def end_iteration(self) -> None:
+        """One engine step's outputs have all been recorded."""
+        if self._iteration:
+            self.iteration_tokens.observe(self._iteration)
+            self._iteration = 0
 
     # --- from the engine --------------------------------------------------------------
 
@@ -182,6 +215,7 @@ class ServerMetrics:
             return
         self.generation_tokens.inc(n)
         self.totals["generation_tokens"] += n
+        self._iteration += n + (0 if s.num_generation_tokens else s.num_prompt_tokens)
         self._token_times.append((now, n))
         if s.num_generation_tokens == 0:
             self.prompt_tokens.inc(s.num_prompt_tokens)

@@ -148,8 +148,8 @@ def wait_idle(server: RemoteServer, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
-        if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
-                and m["jaxserve:kv_cache_usage_perc"] == 0):
+        if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0):
             return m
         assert time.monotonic() < deadline, f"not idle after {timeout} s: {m}"
         time.sleep(0.05)

@@ -134,7 +134,7 @@ def test_abort_storm_returns_pages_and_counters_to_zero(server: RemoteServer) ->
             # Cancel once the engine is full: some requests running, the rest waiting.
             while True:
                 m = await asyncio.to_thread(server.metrics)
-                if m["jaxserve:num_requests_running"] >= 16 and m["jaxserve:num_requests_waiting"]:
+                if m["vllm:num_requests_running"] >= 16 and m["vllm:num_requests_waiting"]:
                     break
                 assert time.monotonic() < deadline, m
                 await asyncio.sleep(0.05)
@@ -145,7 +145,7 @@ def test_abort_storm_returns_pages_and_counters_to_zero(server: RemoteServer) ->
     for _ in range(3):
         asyncio.run(storm())
         m = wait_idle(server)
-        assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
+        assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     again = httpx.post(server.url("/v1/completions"), json=greedy, headers=AUTH,
                        timeout=60).json()["choices"][0]["text"]
     assert again == reference

@@ -26,7 +26,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 def wait_running(server: RemoteServer, n: int, timeout: float = 180) -> None:
     """Until the engine reports `n` running requests (an event, not a sleep)."""
     deadline = time.monotonic() + timeout
-    while server.metrics()["jaxserve:num_requests_running"] < n:
+    while server.metrics()["vllm:num_requests_running"] < n:
         assert time.monotonic() < deadline, f"never {n} running"
         time.sleep(0.05)
 

@@ -430,7 +430,7 @@ def test_errors_through_the_openai_client(client: openai.OpenAI) -> None:
 
 def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
     body = {"prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
-    generated = wait_idle(server)["jaxserve:generation_tokens_total"]
+    generated = wait_idle(server)["vllm:generation_tokens_total"]
     with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
         # Held in a name: breaking out of a bare `for line in r.iter_lines()` closes the
         # generator, and httpx closes the connection with it (the abort would race the gauge).
@@ -441,20 +441,20 @@ def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
             if seen == 3:
                 break
         deadline = time.monotonic() + 30
-        while server.metrics()["jaxserve:num_requests_running"] < 1:  # the gauge may lag
+        while server.metrics()["vllm:num_requests_running"] < 1:  # the gauge may lag
             assert time.monotonic() < deadline, "the streaming request never showed as running"
             time.sleep(0.05)
     # Leaving the block closed the connection mid-stream.
     m = wait_idle(server)
-    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
-    assert 3 <= m["jaxserve:generation_tokens_total"] - generated < 400, "not aborted"
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert 3 <= m["vllm:generation_tokens_total"] - generated < 400, "not aborted"
 
     # A non-streaming request whose client gives up (once the engine runs it) is aborted too.
     async def give_up() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             task = asyncio.ensure_future(client.post(server.url("/v1/completions"), json={
                 "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True}))
-            while (await asyncio.to_thread(server.metrics))["jaxserve:num_requests_running"] < 1:
+            while (await asyncio.to_thread(server.metrics))["vllm:num_requests_running"] < 1:
                 assert not task.done(), "the request finished before it was seen running"
                 await asyncio.sleep(0.02)
             task.cancel()
@@ -462,7 +462,7 @@ def test_disconnect_mid_stream_frees_the_request(server: RemoteServer) -> None:
 
     asyncio.run(give_up())
     m = wait_idle(server)
-    assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_64_concurrent_streams_all_complete(server: RemoteServer) -> None:
@@ -497,13 +497,14 @@ def test_metrics(server: RemoteServer) -> None:
              "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
              "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
              "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
-             "request_decode_time_seconds_count"]
+             "request_decode_time_seconds_count", "iteration_tokens_total_count",
+             "request_params_n_count", "request_params_max_tokens_count", "cache_config_info"]
     for name in names:
-        assert f"jaxserve:{name}" in m, name
-    assert m["jaxserve:e2e_request_latency_seconds_count"] >= 64
-    assert m["jaxserve:time_to_first_token_seconds_sum"] > 0
-    assert m["jaxserve:prefix_cache_hits_total"] > 0  # repeated prompts above
-    assert m["jaxserve:prompt_tokens_total"] > 0 and m["jaxserve:generation_tokens_total"] > 64 * 12
+        assert f"vllm:{name}" in m, name
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 64
+    assert m["vllm:time_to_first_token_seconds_sum"] > 0
+    assert m["vllm:prefix_cache_hits_total"] > 0  # repeated prompts above
+    assert m["vllm:prompt_tokens_total"] > 0 and m["vllm:generation_tokens_total"] > 64 * 12
     assert json.loads(json.dumps(m))  # plain numbers
 
 

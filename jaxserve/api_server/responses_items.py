@@ -37,13 +37,14 @@ class StreamEvents:
         self.sequence += 1
         return f"event: {kind}\n" + sse(json.dumps(event))
 
-    def delta(self, d: dict[str, Any]) -> list[str]:
+    def delta(self, d: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """The events of one chat delta; `logprobs` (chat's, for its tokens) go with its text."""
         out: list[str] = []
         reasoning = d.get("reasoning") or d.get("reasoning_content")
         if reasoning:
             out += self._text("reasoning", reasoning)
         if d.get("content"):
-            out += self._text("message", d["content"])
+            out += self._text("message", d["content"], logprobs or [])
         for call in d.get("tool_calls") or []:
             out += self._call(call)
         return out
@@ -57,7 +58,8 @@ class StreamEvents:
         return out + [self.emit("response.output_item.added", output_index=len(self.items),
                                 item=added)]
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+              ) -> list[str]:
         out: list[str] = []
         if self.open is None or self.open["type"] != kind:
             item = (reasoning_item("") if kind == "reasoning" else message_item(""))
@@ -65,12 +67,16 @@ class StreamEvents:
             if kind == "message":
                 out.append(self.emit("response.content_part.added", item_id=item["id"],
                                      output_index=len(self.items), content_index=0,
-                                     part={"type": "output_text", "text": "", "annotations": []}))
+                                     part={"type": "output_text", "text": "", "annotations": [],
+                                           "logprobs": []}))
         item = self.open
         assert item is not None
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {}
+        if kind == "message":
+            extra = {"logprobs": logprobs or []}
+            item["content"][0]["logprobs"] += extra["logprobs"]
         out.append(self.emit(name, item_id=item["id"], output_index=len(self.items),
                              content_index=0, delta=text, **extra))
         return out
@@ -99,7 +105,7 @@ class StreamEvents:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self.emit("response.output_text.done", item_id=item["id"], output_index=i,
-                                 content_index=0, text=part["text"], logprobs=[]))
+                                 content_index=0, text=part["text"], logprobs=part["logprobs"]))
             out.append(self.emit("response.content_part.done", item_id=item["id"],
                                  output_index=i, content_index=0, part=part))
         elif item["type"] == "reasoning":
@@ -286,10 +292,11 @@ def response_format(fmt: Any) -> dict[str, Any] | None:
                       "json_schema, json_object)", param="text.format")
 
 
-def message_item(text: str) -> dict[str, Any]:
+def message_item(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{random_uuid()}", "status": "in_progress",
             "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": list(logprobs or [])}]}
 
 
 def reasoning_item(text: str) -> dict[str, Any]:
@@ -310,14 +317,15 @@ def function_call_item(call_id: str, chat_name: str, arguments: str,
     return item
 
 
-def output_items(message: dict[str, Any], names: ToolNames | None = None) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], names: ToolNames | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """A chat reply's message as output items: reasoning, then text, then function calls."""
     items = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
         items.append(reasoning_item(reasoning))
     if message.get("content"):
-        item = message_item(message["content"])
+        item = message_item(message["content"], logprobs)
         item["status"] = "completed"
         items.append(item)
     for call in message.get("tool_calls") or []:

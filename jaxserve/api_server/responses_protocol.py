@@ -43,6 +43,9 @@ class ResponsesRequest(SamplingRequestFields):
     # Accepted; reasoning items carry `encrypted_content: null` (nothing is encrypted: the
     # reasoning text is in their content). The other values ask for nothing jaxserve adds.
     include: list[Text] | None = None
+    # Set, or with include "message.output_text.logprobs": each output token's logprob and
+    # this many alternatives (chat's logprobs / top_logprobs).
+    top_logprobs: Annotated[WholeInt, Field(ge=0, le=20)] | None = None
     # Sent by Codex and the OpenAI SDK; accepted and ignored (the prefix cache needs no key).
     prompt_cache_key: Text | None = None
     client_metadata: dict[str, Any] | None = None

@@ -47,7 +47,8 @@ from jaxserve.api_server.serving_chat import OpenAIServingChat
 _TRANSLATED = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
                "store", "previous_response_id", "metadata", "reasoning", "truncation", "include",
                "stream", "stream_options", "parallel_tool_calls", "background",
-               "prompt_cache_key", "client_metadata", "safety_identifier", "service_tier"}
+               "prompt_cache_key", "client_metadata", "safety_identifier", "service_tier",
+               "top_logprobs"}
 
 
 @dataclass
@@ -182,6 +183,9 @@ class OpenAIServingResponses:
                               "tools the server can run", param="tool_choice")
         if request.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = request.parallel_tool_calls
+        if ("message.output_text.logprobs" in (request.include or ())
+                or request.top_logprobs is not None):
+            body["logprobs"], body["top_logprobs"] = True, request.top_logprobs or 0
         fmt = response_format((request.text or {}).get("format"))
         if fmt is not None:
             body["response_format"] = fmt
@@ -266,7 +270,8 @@ class Run:
         choice = body["choices"][0]
         message = choice["message"]
         usage = await self.serving.usage(body.get("usage"), message.get("reasoning"))
-        obj = self._object(choice, usage, output_items(message, self.names))
+        lps = (choice.get("logprobs") or {}).get("content")
+        obj = self._object(choice, usage, output_items(message, self.names, lps))
         self._keep(obj, message if obj["status"] != "failed" else None)
         return obj
 
@@ -312,7 +317,8 @@ class Run:
                     break
                 usage = data.get("usage") or usage
                 for choice in data.get("choices") or []:
-                    for e in events.delta(choice.get("delta") or {}):
+                    lps = (choice.get("logprobs") or {}).get("content")
+                    for e in events.delta(choice.get("delta") or {}, lps):
                         yield e
                     finish = choice.get("finish_reason") or finish
                     stop_reason = choice.get("stop_reason") or stop_reason

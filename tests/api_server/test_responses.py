@@ -156,6 +156,21 @@ def test_background_polled_and_cancelled(client: openai.OpenAI) -> None:
                                                         max_output_tokens=1).id)
 
 
+def test_output_text_logprobs(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, input="Name a colour.", max_output_tokens=6, temperature=0.0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**kw)
+    lps = whole.output[-1].content[0].logprobs
+    assert len(lps) == whole.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert "".join(lp.token for lp in lps).startswith(whole.output_text)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps][
+        :len(streamed)] and streamed
+    plain = client.responses.create(**{**kw, "include": None, "top_logprobs": None})
+    assert plain.output[-1].content[0].logprobs == []
+
+
 def test_codex_tools_namespace_and_hosted(client: openai.OpenAI) -> None:
     """Codex's tools: a namespace of functions (a call names its namespace) and a hosted
     web_search (skipped: the server cannot search)."""

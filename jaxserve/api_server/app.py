@@ -173,7 +173,10 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = await ctx.render_chat(body.messages, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = await ctx.render_chat(body.messages, body.add_generation_prompt,
+                                         body.continue_final_message, body.chat_template_kwargs,
+                                         body.chat_template, tools)
             add_special = bool(body.add_special_tokens)
         else:
             text = body.prompt or ""

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from jaxserve.api_server.protocol import ChatMessage, OpenAIBaseModel, OpenAIRequest, Text, TokenId
+from jaxserve.api_server.protocol import (
+    ChatMessage,
+    ChatTool,
+    OpenAIBaseModel,
+    OpenAIRequest,
+    Text,
+    TokenId,
+)
 
 
 class ModelCard(OpenAIBaseModel):
@@ -33,6 +40,11 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
+    # vLLM's chat-style fields, rendered as the chat endpoint renders them.
+    continue_final_message: bool = False
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    chat_template: Text | None = None  # refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[Text, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -329,6 +329,25 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
         model=MODEL, messages=HI, max_tokens=1).usage.prompt_tokens
 
 
+def test_tokenize_chat_equals_the_tokenizers_own(server: RemoteServer) -> None:
+    """/tokenize with messages, tools and the template's flags gives the ids of the
+    tokenizer's apply_chat_template(..., tokenize=True) for the same arguments (vLLM's)."""
+    from jaxserve.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                               "parameters": {"type": "object"}}}]
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    for body in ({"messages": convo[:1]}, {"messages": convo[:1], "tools": tools},
+                 {"messages": convo, "add_generation_prompt": False,
+                  "continue_final_message": True}):
+        ids = tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=True,
+                                      add_generation_prompt=body.get("add_generation_prompt", True),
+                                      continue_final_message=body.get("continue_final_message", False))
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert post(server, "/tokenize", body).json()["tokens"] == list(ids), body
+
+
 def test_truncate_prompt_tokens(server: RemoteServer, client: openai.OpenAI) -> None:
     """vLLM's truncate_prompt_tokens: the last k tokens (truncation_side "right": the first),
     -1 as many as fit; a text too long for the context is served once truncated."""

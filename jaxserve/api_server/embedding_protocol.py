@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from jaxserve.api_server.protocol import (
     INT32_MAX,
+    ChatMessage,
     Int64,
     NonEmptyText,
     OpenAIBaseModel,
@@ -25,9 +26,10 @@ MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(OpenAIRequest):
-    """OpenAI's embeddings request; vLLM's extras: `normalize` (None: --pooler-config's),
-    `truncate_prompt_tokens` / `truncation_side` (as in completions),
-    `add_special_tokens`, `priority`."""
+    """OpenAI's embeddings request; vLLM's extras: chat `messages` instead of `input` (the
+    chat template applied: one vector), `use_activation` / `normalize` (None: --pooler-config's),
+    `embed_dtype` and `endianness` (base64's bytes), `truncate_prompt_tokens` /
+    `truncation_side` (as in completions), `add_special_tokens`, `priority`."""
 
     model: Text | None = None
     # Non-empty in the schema too, so schema-driven clients (and fuzzers) know it.
@@ -35,10 +37,19 @@ class EmbeddingRequest(OpenAIRequest):
             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                         Field(min_length=1, max_length=MAX_INPUTS)]
             | NonEmptyText
-            | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_INPUTS)])
+            | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_INPUTS)]
+            | None) = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    # vLLM's chat-style embedding: the template as vLLM applies it for pooling.
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
     dimensions: Annotated[WholeInt, Field(ge=1)] | None = None
     user: Text | None = None
+    use_activation: bool | None = None  # vLLM's newer name for normalize
     normalize: bool | None = None
     truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
     truncation_side: Literal["left", "right"] | None = None

@@ -7,6 +7,7 @@ run by the same engine and batch as generation, its prompt pooled as --pooler-co
 from __future__ import annotations
 
 import base64
+import sys
 import time
 from contextlib import aclosing
 from http import HTTPStatus
@@ -32,12 +33,22 @@ from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, InvalidInputError
 from jaxserve.outputs import EmbeddingRequestOutput
 
 
-def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
-    """The vector as JSON floats, or base64 of its little-endian float32 bytes (what the
-    openai SDK asks for by default and decodes with numpy)."""
-    if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
-    return vector
+def encode_vector(vector: list[float], encoding_format: str, embed_dtype: str = "float32",
+                  endianness: str = "native") -> list[float] | str:
+    """The vector as JSON floats, or base64 of its bytes as `embed_dtype` in `endianness`
+    (vLLM's; the default, native float32, is what the openai SDK decodes with numpy)."""
+    if encoding_format != "base64":
+        return vector
+    import ml_dtypes  # bfloat16 and float8: numpy has neither
+
+    dtype = np.dtype({"float32": np.float32, "float16": np.float16,
+                      "bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+                      "fp8_e5m2": ml_dtypes.float8_e5m2}[embed_dtype])
+    values = np.asarray(vector, np.float32).astype(dtype)
+    if dtype.itemsize > 1 and endianness not in ("native", sys.byteorder):
+        # Swapped as unsigned ints: ml_dtypes' types have no byte order of their own.
+        values = values.view(f"u{dtype.itemsize}").byteswap()
+    return base64.b64encode(values.tobytes()).decode("ascii")
 
 
 class OpenAIServingEmbedding:
@@ -53,7 +64,7 @@ class OpenAIServingEmbedding:
         inputs = await self._inputs(request)
         spans = [("tokenize", received, time.time())]
         try:
-            params = ctx.processor.pooling_params(request.normalize, request.dimensions)
+            params = ctx.processor.pooling_params(self._normalize(request), request.dimensions)
             for ids in inputs:
                 ctx.processor.check_pooling_prompt(ids)
         except InvalidInputError as e:
@@ -78,12 +89,14 @@ class OpenAIServingEmbedding:
         if pooling:
             body: Any = PoolingResponse(
                 id=request_id, model=ctx.model_name, usage=usage,
-                data=[PoolingResponseData(index=i, data=encode_vector(v, fmt))
+                data=[PoolingResponseData(index=i, data=encode_vector(
+                    v, fmt, request.embed_dtype, request.endianness))
                       for i, v in enumerate(vectors)])
         else:
             body = EmbeddingResponse(
                 id=request_id, model=ctx.model_name, usage=usage,
-                data=[EmbeddingResponseData(index=i, embedding=encode_vector(v, fmt))
+                data=[EmbeddingResponseData(index=i, embedding=encode_vector(
+                    v, fmt, request.embed_dtype, request.endianness))
                       for i, v in enumerate(vectors)])
         return Response(body.model_dump_json(), media_type="application/json")
 
@@ -94,8 +107,28 @@ class OpenAIServingEmbedding:
                               HTTPStatus.INTERNAL_SERVER_ERROR)
         return res.outputs.embedding
 
+    @staticmethod
+    def _normalize(request: EmbeddingRequest) -> bool | None:
+        given = {v for v in (request.use_activation, request.normalize) if v is not None}
+        if len(given) > 1:
+            raise OpenAIError("use_activation and normalize are one setting (use_activation is "
+                              "vLLM's newer name): they disagree", param="use_activation")
+        return given.pop() if given else None
+
     async def _inputs(self, request: EmbeddingRequest) -> list[list[int]]:
-        """Each input's token ids (texts tokenized off the event loop), truncated as asked."""
+        """Each input's token ids (texts tokenized off the event loop), truncated as asked;
+        chat `messages` are one input, the template applied."""
+        if (request.input is None) == (request.messages is None):
+            raise OpenAIError("give exactly one of input and messages", param="input")
+        keep, side = request.truncate_prompt_tokens, request.truncation_side
+        if request.messages is not None:
+            text = await self.ctx.render_chat(request.messages, request.add_generation_prompt,
+                                              request.continue_final_message,
+                                              request.chat_template_kwargs)
+            # The template holds the special tokens (BOS etc.), as for chat.
+            ids = await self.ctx.tokenize(text, "messages", truncating=keep is not None,
+                                          add_special_tokens=False)
+            return [self.ctx.truncate(ids, keep, side)]
         raw = request.input
         if isinstance(raw, str):
             raw = [raw]

@@ -70,6 +70,31 @@ def test_embeddings_create_batched_base64_and_float(server: RemoteServer, refere
     close(pooling["data"][0]["data"], reference[0])
 
 
+def test_vllms_extras_messages_dtypes_use_activation(server: RemoteServer, reference) -> None:
+    post = lambda body: httpx.post(server.url("/v1/embeddings"), json=body, timeout=60)  # noqa: E731
+    msgs = [{"role": "user", "content": TEXTS[0]}]
+    ids = httpx.post(server.url("/tokenize"), json={"messages": msgs,
+                                                     "add_generation_prompt": False}).json()["tokens"]
+    by_chat = post({"messages": msgs})
+    assert by_chat.json()["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(by_chat.json()["data"][0]["embedding"],
+                               post({"input": [ids]}).json()["data"][0]["embedding"], rtol=1e-6)
+    import ml_dtypes
+
+    for dtype, np_dtype in (("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
+        raw = post({"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype,
+                    "endianness": "big"}).json()["data"][0]["embedding"]
+        vec = np.frombuffer(base64.b64decode(raw), ">u2").astype("=u2").view(np_dtype)
+        np.testing.assert_allclose(vec.astype(np.float32), reference[0], rtol=1e-2,
+                                   atol=1e-2 * np.abs(reference[0]).max())
+    unit = post({"input": TEXTS[0], "use_activation": True}).json()["data"][0]["embedding"]
+    close(unit, reference[0] / np.linalg.norm(reference[0]))
+    for body, param in (({"input": "x", "use_activation": True, "normalize": False}, "use_activation"),
+                        ({"input": "x", "messages": msgs}, "input"), ({}, "input")):
+        r = post(body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_embeddings_beside_chat_on_one_engine(server: RemoteServer, reference) -> None:
     client = server.async_client()
 

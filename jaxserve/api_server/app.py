@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -161,6 +162,30 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     async def create_pooling(body: EmbeddingRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, embedding.create_embedding(body, pooling=True))
 
+    # SageMaker's route (vLLM serves it): the body's shape picks the endpoint.
+    invocation_routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[Response]]]] = [
+        ("messages", ChatCompletionRequest, chat.create_chat_completion),
+        ("prompt", CompletionRequest, completion.create_completion),
+        ("input", EmbeddingRequest, embedding.create_embedding),
+    ]
+
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError as e:
+            raise OpenAIError(f"the body is not valid JSON ({e})") from None
+        for key, model, handler in invocation_routes:
+            if isinstance(body, dict) and key in body:
+                try:
+                    request = model.model_validate(body)
+                except ValidationError as e:
+                    message, param = describe_validation_errors(e.errors())
+                    raise OpenAIError(message, param=param) from None
+                return await run_until_disconnected(raw, handler(request))
+        raise OpenAIError("cannot find a route for this body: /invocations takes a chat "
+                          "(messages), completion (prompt) or embedding (input) request")
+
     @app.get("/v1/models")
     async def show_models() -> ModelList:
         # root is the served name, not the checkpoint's path on this machine.
@@ -297,7 +322,7 @@ class BodySizeLimit:
 
 
 class ApiKeyAuth:
-    """Every /v1 route, and /pooling (it runs the model too), needs `Authorization: Bearer
+    """Every /v1 route, /pooling and /invocations (they run the model too), need `Authorization: Bearer
     <key>` (vLLM's --api-key) or `x-api-key: <key>` (Anthropic's clients send that): 401
     otherwise."""
 
@@ -306,7 +331,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = route_path(scope)
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/pooling"):
+        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/pooling", "/invocations")):
             headers = dict(scope.get("headers", ()))
             bearer = headers.get(b"authorization", b"")
             # Both compared, always: the time taken says nothing about which one was sent.

@@ -329,6 +329,19 @@ def test_token_id_prompts_tokenize_detokenize(server: RemoteServer, client: open
         model=MODEL, messages=HI, max_tokens=1).usage.prompt_tokens
 
 
+def test_invocations_route_by_the_bodys_shape(server: RemoteServer) -> None:
+    """SageMaker's /invocations, as vLLM serves it."""
+    chat = post(server, "/invocations", {"messages": HI, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    cmpl = post(server, "/invocations", {"prompt": "Hi", "max_tokens": 2})
+    assert cmpl.status_code == 200 and cmpl.json()["object"] == "text_completion"
+    emb = post(server, "/invocations", {"input": "Hi"})
+    assert emb.status_code == 200 and emb.json()["data"][0]["object"] == "embedding"
+    for body, param in (({"nothing": 1}, None), ({"prompt": "x", "max_tokens": -1}, "max_tokens")):
+        bad = post(server, "/invocations", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 def test_tokenize_chat_equals_the_tokenizers_own(server: RemoteServer) -> None:
     """/tokenize with messages, tools and the template's flags gives the ids of the
     tokenizer's apply_chat_template(..., tokenize=True) for the same arguments (vLLM's)."""

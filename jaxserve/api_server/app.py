@@ -57,6 +57,7 @@ from jaxserve.api_server.embedding_protocol import EmbeddingRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
 from jaxserve.api_server.serving_messages import AnthropicServingMessages
+from jaxserve.api_server.serving_score import ServingScores, classify_refusal
 from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
@@ -67,6 +68,8 @@ CLIENT_CLOSED_REQUEST = 499
 # Request bodies above this are refused before they are parsed (parsing runs on the event
 # loop): generous for the longest prompts max_model_len allows, far below what stalls it.
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Routes outside /v1 that run the model: the API key guards them too.
+MODEL_ROUTES = ("/pooling", "/invocations", "/score", "/rerank", "/v2/rerank", "/classify")
 
 
 def build_app(ctx: ServingContext, metrics: ServerMetrics,
@@ -161,6 +164,16 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     @app.post("/pooling")
     async def create_pooling(body: EmbeddingRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, embedding.create_embedding(body, pooling=True))
+
+    scores = ServingScores(embedding)
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, scores.score, methods=["POST"], response_model=None)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, scores.rerank, methods=["POST"], response_model=None)
+
+    @app.post("/classify")
+    async def classify() -> Response:
+        raise classify_refusal()
 
     # SageMaker's route (vLLM serves it): the body's shape picks the endpoint.
     invocation_routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[Response]]]] = [
@@ -322,16 +335,16 @@ class BodySizeLimit:
 
 
 class ApiKeyAuth:
-    """Every /v1 route, /pooling and /invocations (they run the model too), need `Authorization: Bearer
-    <key>` (vLLM's --api-key) or `x-api-key: <key>` (Anthropic's clients send that): 401
-    otherwise."""
+    """Every /v1 route and the other routes that run the model (MODEL_ROUTES) need
+    `Authorization: Bearer <key>` (vLLM's --api-key) or `x-api-key: <key>` (Anthropic's
+    clients send that): 401 otherwise."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = route_path(scope)
-        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/pooling", "/invocations")):
+        if scope["type"] == "http" and (path.startswith("/v1") or path in MODEL_ROUTES):
             headers = dict(scope.get("headers", ()))
             bearer = headers.get(b"authorization", b"")
             # Both compared, always: the time taken says nothing about which one was sent.

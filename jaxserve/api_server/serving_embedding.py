@@ -62,27 +62,9 @@ class OpenAIServingEmbedding:
         received = time.time()
         ctx.check_model(request.model)
         inputs = await self._inputs(request)
-        spans = [("tokenize", received, time.time())]
-        try:
-            params = ctx.processor.pooling_params(self._normalize(request), request.dimensions)
-            for ids in inputs:
-                ctx.processor.check_pooling_prompt(ids)
-        except InvalidInputError as e:
-            raise OpenAIError(str(e), param="input" if e.param == "prompt" else e.param) from None
-        arrival = time.monotonic()
         request_id = f"{'pool' if pooling else 'embd'}-{random_uuid()}"
-        gens = []
-        for i, ids in enumerate(inputs):
-            rid = f"{request_id}-{i}"
-            gens.append(ctx.client.generate(
-                rid, None, ids, POOLING_SAMPLING_PARAMS, priority=request.priority,
-                arrival_time=arrival, trace=ctx.start_trace(rid, received, spans),
-                pooling_params=params))
-        final: list[Any] = [None] * len(inputs)
-        async with aclosing(merge_async_iterators(*gens)) as results:
-            async for i, res in results:
-                final[i] = res
-        vectors = [self._vector(r) for r in final]
+        vectors = await self.embed(request_id, inputs, received, self._normalize(request),
+                                   request.dimensions, request.priority)
         num_tokens = sum(len(ids) for ids in inputs)
         usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
         fmt = request.encoding_format
@@ -99,6 +81,32 @@ class OpenAIServingEmbedding:
                     v, fmt, request.embed_dtype, request.endianness))
                       for i, v in enumerate(vectors)])
         return Response(body.model_dump_json(), media_type="application/json")
+
+    async def embed(self, request_id: str, inputs: list[list[int]], received: float,
+                    normalize: bool | None = None, dimensions: int | None = None,
+                    priority: int = 0, param: str = "input") -> list[list[float]]:
+        """The vectors of `inputs` (token ids), each its own engine request, in order."""
+        ctx = self.ctx
+        spans = [("tokenize", received, time.time())]
+        try:
+            params = ctx.processor.pooling_params(normalize, dimensions)
+            for ids in inputs:
+                ctx.processor.check_pooling_prompt(ids)
+        except InvalidInputError as e:
+            raise OpenAIError(str(e), param=param if e.param == "prompt" else e.param) from None
+        arrival = time.monotonic()
+        gens = []
+        for i, ids in enumerate(inputs):
+            rid = f"{request_id}-{i}"
+            gens.append(ctx.client.generate(
+                rid, None, ids, POOLING_SAMPLING_PARAMS, priority=priority,
+                arrival_time=arrival, trace=ctx.start_trace(rid, received, spans),
+                pooling_params=params))
+        final: list[Any] = [None] * len(inputs)
+        async with aclosing(merge_async_iterators(*gens)) as results:
+            async for i, res in results:
+                final[i] = res
+        return [self._vector(r) for r in final]
 
     @staticmethod
     def _vector(res: EmbeddingRequestOutput | None) -> list[float]:

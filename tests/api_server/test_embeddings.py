@@ -95,6 +95,33 @@ def test_vllms_extras_messages_dtypes_use_activation(server: RemoteServer, refer
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_score_and_rerank_are_cosines_of_embeddings(server: RemoteServer) -> None:
+    """vLLM's /score and /rerank with an embedding model: cosine similarity of the texts'
+    embeddings."""
+    post = lambda path, body: httpx.post(server.url(path), json=body, timeout=60)  # noqa: E731
+    docs = ["A fox jumps.", "Stock markets fell.", TEXTS[1]]
+    vecs = [np.asarray(d["embedding"]) for d in post("/v1/embeddings", {"input": [TEXTS[0], *docs]}).json()["data"]]
+    cos = [float(vecs[0] @ v / np.linalg.norm(vecs[0]) / np.linalg.norm(v)) for v in vecs[1:]]
+    for path in ("/score", "/v1/score"):
+        one = post(path, {"text_1": TEXTS[0], "text_2": docs}).json()
+        assert [d["index"] for d in one["data"]] == [0, 1, 2] and one["object"] == "list"
+        np.testing.assert_allclose([d["score"] for d in one["data"]], cos, atol=1e-5)
+    pairs = post("/score", {"text_1": [TEXTS[0]] * 3, "text_2": docs}).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], cos, atol=1e-5)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = post(path, {"query": TEXTS[0], "documents": docs, "top_n": 2}).json()
+        assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -cos[i])[:2]
+        assert r["results"][0]["document"]["text"] == docs[r["results"][0]["index"]]
+        assert r["usage"]["total_tokens"] > 0
+    for path, body, param in (("/rerank", {"query": "q", "documents": []}, "documents"),
+                              ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+                              ("/score", {"text_1": ["a", "b"], "text_2": ["c"] * 3}, "text_1")):
+        bad = post(path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    refused = post("/classify", {"input": "x"})
+    assert refused.status_code == 400 and "Classification" in refused.json()["error"]["message"]
+
+
 def test_embeddings_beside_chat_on_one_engine(server: RemoteServer, reference) -> None:
     client = server.async_client()
 

@@ -1,0 +1,130 @@
+"""vLLM's /score and /rerank (Jina's and Cohere's shapes) for the served model as an embedding
+model: a pair's score is the cosine similarity of its two texts' embeddings, as vLLM scores
+with an embedding model. Cross-encoders (`*ForSequenceClassification`, Qwen3-Reranker) are not
+served, so /classify answers vLLM's refusal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from jaxserve.api_server.protocol import (
+    INT32_MAX,
+    Int64,
+    NonEmptyText,
+    OpenAIBaseModel,
+    OpenAIRequest,
+    Text,
+    UsageInfo,
+    WholeInt,
+    random_uuid,
+)
+from jaxserve.api_server.serving import OpenAIError
+from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
+
+MAX_TEXTS = 2048  # as for embeddings
+Texts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_TEXTS)]
+
+
+class ScoreRequest(OpenAIRequest):
+    model: Text | None = None
+    text_1: Texts
+    text_2: Texts
+    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    priority: Int64 = 0
+
+
+class RerankRequest(OpenAIRequest):
+    model: Text | None = None
+    query: NonEmptyText
+    documents: Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_TEXTS)]
+    top_n: Annotated[WholeInt, Field(ge=1, le=INT32_MAX)] | None = None  # None: every document
+    truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    priority: Int64 = 0
+
+
+class ScoreData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: dict[str, str]
+    relevance_score: float
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: dict[str, int]
+    results: list[RerankResult]
+
+
+class ServingScores:
+    def __init__(self, embedding: OpenAIServingEmbedding) -> None:
+        self.embedding = embedding
+        self.ctx = embedding.ctx
+
+    async def _cosines(self, request_id: str, pairs: list[tuple[str, str]],
+                       truncate: int | None, priority: int) -> tuple[list[float], int]:
+        """Each pair's cosine similarity, and the tokens embedded (each distinct text once)."""
+        received = time.time()
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        ids = [self.ctx.truncate(await self.ctx.tokenize(t, "text", truncating=truncate is not None),
+                                 truncate, None, room=1) for t in texts]
+        vectors = await self.embedding.embed(request_id, ids, received, normalize=False,
+                                             priority=priority, param="text")
+        unit = {t: np.asarray(v, np.float64) / max(float(np.linalg.norm(v)), 1e-12)
+                for t, v in zip(texts, vectors)}
+        return [float(unit[a] @ unit[b]) for a, b in pairs], sum(len(i) for i in ids)
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """vLLM's pairing: one and one, one against each of many, or many against as many."""
+        self.ctx.check_model(request.model)
+        one = [request.text_1] if isinstance(request.text_1, str) else request.text_1
+        two = [request.text_2] if isinstance(request.text_2, str) else request.text_2
+        if len(one) == 1:
+            one = one * len(two)
+        if len(one) != len(two):
+            raise OpenAIError(f"text_1 has {len(one)} texts and text_2 {len(two)}: give one "
+                              "text_1, or as many as text_2", param="text_1")
+        request_id = f"score-{random_uuid()}"
+        scores, tokens = await self._cosines(request_id, list(zip(one, two)),
+                                             request.truncate_prompt_tokens, request.priority)
+        return ScoreResponse(id=request_id, model=self.ctx.model_name,
+                             data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+                             usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
+
+    async def rerank(self, request: RerankRequest) -> RerankResponse:
+        """The documents by relevance to the query, the most relevant first (top_n of them)."""
+        self.ctx.check_model(request.model)
+        request_id = f"rerank-{random_uuid()}"
+        scores, tokens = await self._cosines(
+            request_id, [(request.query, d) for d in request.documents],
+            request.truncate_prompt_tokens, request.priority)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n]
+        return RerankResponse(id=request_id, model=self.ctx.model_name,
+                              usage={"total_tokens": tokens},
+                              results=[RerankResult(index=i, document={"text": request.documents[i]},
+                                                    relevance_score=scores[i]) for i in order])
+
+
+def classify_refusal(_: Any = None) -> OpenAIError:
+    return OpenAIError("The model does not support Classification API: it has no "
+                       "classification head (jaxserve serves no *ForSequenceClassification "
+                       "checkpoint yet; /score and /rerank score with embeddings)")

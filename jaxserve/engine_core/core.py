@@ -155,7 +155,7 @@ class EngineCore:
                 self.batch_queue.appendleft((handle, scheduler_output, st))
                 dispatched = True
         if not self.batch_queue:
-            return []
+            return self.scheduler.take_unstepped_outputs()
         if dispatched and len(self.batch_queue) < self.batch_queue_size:
             return None
         handle, scheduler_output, st = self.batch_queue.pop()

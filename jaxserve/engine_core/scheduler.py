@@ -89,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids the worker must drop, sent with the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
+        # Outputs of requests ended outside a step (a grammar that failed to compile).
+        self.unstepped_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0  # since the previous make_stats()
         self.total_num_preemptions = 0
         spec = speculative_config
@@ -198,6 +200,8 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
+        if not num_scheduled_tokens and self.structured_output.compiling:
+            self.structured_output.wait_compiling(0.01)  # nothing else to do: do not spin
         self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
         return scheduler_output
 
@@ -290,6 +294,16 @@ class Scheduler:
         while (waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs
                and len(num_scheduled_tokens) < self.max_reqs_per_step):
             request = waiting.peek_request()
+            ready = self.structured_output.ready(request.req_id)
+            if ready is False:  # its grammar is still compiling: later requests may go first
+                skipped.append(waiting.pop_request())
+                continue
+            if ready is not True:  # its grammar failed to compile: it ends, with the error
+                waiting.pop_request()
+                request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, ready
+                self._free_request(request, False)
+                self.unstepped_outputs.append(EngineCoreOutput.from_request(request, [], None))
+                continue
             if request.num_steps_in_flight:
                 # NOTE: preempted while a step holding it was in flight; a token
                 # it samples arrives with that step's output, then it can be
@@ -358,7 +372,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append the sampled tokens, finish requests that stopped, and return
         one EngineCoreOutput per request with new tokens or a finish."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self.unstepped_outputs = self.unstepped_outputs, []
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -424,6 +438,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return len(self.waiting) + len(self.running) > 0
+
+    def take_unstepped_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests ended outside a step, when no step will carry them."""
+        outputs, self.unstepped_outputs = self.unstepped_outputs, []
+        return outputs
 
     def has_requests(self) -> bool:
         """Whether a step has anything to do: schedule, or send finished ids to the worker."""

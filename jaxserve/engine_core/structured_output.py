@@ -1,7 +1,10 @@
 """Structured outputs in the engine core (vLLM's StructuredOutputManager), with llguidance.
 
 A request whose SamplingParams carry `structured_outputs = (kind, spec)` gets a grammar
-matcher when it is added. Before each step the scheduler asks for the token bitmask of the
+matcher, compiled in a thread when it is added (llguidance releases the GIL: a large schema or
+tool list takes tens of milliseconds, which would stall every stream if the engine loop did
+it); the scheduler admits the request once its matcher is ready (vLLM's WAITING_FOR_FSM).
+Before each step the scheduler asks for the token bitmask of the
 grammar requests it scheduled (what the grammar allows next, one bit per token); the worker's
 sampler masks the logits with it on the device. After the step, the sampled tokens advance
 the matchers. The bitmask needs every earlier token, so under async scheduling a grammar
@@ -13,6 +16,7 @@ JAX-free: the engine core imports it (llguidance works on the host).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -99,8 +103,17 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.disable_additional_properties = disable_additional_properties
-        self._ll_tokenizer: Any = None  # built on the first structured request (~0.5 s)
+        self._ll_tokenizer: Any = None
         self.matchers: dict[str, Any] = {}
+        self.compiling: dict[str, concurrent.futures.Future[Any]] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if load_tokenizer is not None:
+            # The grammar engine's view of the vocabulary (seconds of Python for a GGUF's
+            # tokenizer), built now in the compile thread: built by the first grammar request,
+            # it held the GIL long enough to stall every stream.
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="jaxserve-grammar")
+            self._executor.submit(self._tokenizer)
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
@@ -111,29 +124,52 @@ class StructuredOutputManager:
         return self._ll_tokenizer
 
     def add_request(self, request: Request) -> None:
-        """A matcher for `request` if it has a grammar; InvalidRequestError if the grammar
-        does not compile."""
+        """Start compiling `request`'s matcher if it has a grammar (`ready` says when it is
+        done); InvalidRequestError if the engine cannot run grammars at all."""
         if request.sampling_params.structured_outputs is None:
             return
-        import llguidance
-
         if self._load_tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer (not "
                                       "available in this engine: skip_tokenizer_init?)")
+        assert self._executor is not None
         kind, spec = request.sampling_params.structured_outputs
+        self.compiling[request.req_id] = self._executor.submit(self._compile, kind, spec)
+
+    def _compile(self, kind: str, spec: str) -> Any:
+        import llguidance
+
         if kind == "json" and self.disable_additional_properties:
             try:
                 spec = json.dumps(close_objects(json.loads(spec)))
             except json.JSONDecodeError:
                 pass  # the matcher reports the schema's error
-        try:
-            # Not validated first: the matcher compiles the grammar anyway and says if it fails.
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec, validate=False))
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        # Not validated first: the matcher compiles the grammar anyway and says if it fails.
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_text(kind, spec, validate=False))
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {kind}: {matcher.get_error()}")
-        self.matchers[request.req_id] = matcher
+            raise ValueError(f"invalid {kind}: {matcher.get_error()}")
+        return matcher
+
+    def ready(self, req_id: str) -> bool | str:
+        """Whether `req_id` can be scheduled: True (no grammar, or its matcher is ready),
+        False (still compiling), or the compile error's text (the request must end)."""
+        future = self.compiling.get(req_id)
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        del self.compiling[req_id]
+        try:
+            self.matchers[req_id] = future.result()
+        except Exception as e:  # noqa: BLE001 - the grammar's fault, reported on the request
+            return f"structured output failed: {str(e).splitlines()[0] if str(e) else e!r}"
+        return True
+
+    def wait_compiling(self, timeout_s: float) -> None:
+        """Block until a compile ends or `timeout_s` passes (an engine with nothing else to
+        do waits here rather than spinning)."""
+        if self.compiling:
+            concurrent.futures.wait(list(self.compiling.values()), timeout_s,
+                                    concurrent.futures.FIRST_COMPLETED)
 
     def step_bitmasks(self, req_ids: Iterable[str]) -> dict[str, np.ndarray] | None:
         """The bitmask of each of `req_ids` that has a grammar (None if none has)."""
@@ -143,6 +179,9 @@ class StructuredOutputManager:
 
     def remove_request(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        future = self.compiling.pop(req_id, None)
+        if future is not None:
+            future.cancel()
 
     def accept_tokens(self, req_id: str, token_ids: list[int]) -> str | None:
         """Advance `req_id`'s matcher; the grammar engine's error if it cannot (the scheduler

@@ -200,9 +200,9 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
+        self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
         if not num_scheduled_tokens and self.structured_output.compiling:
             self.structured_output.wait_compiling(0.01)  # nothing else to do: do not spin
-        self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
         return scheduler_output
 
     def _schedule_running(

@@ -86,7 +86,8 @@ class AnthropicServingMessages:
                     aclosing(with_heartbeat(chat_stream, PING_INTERVAL_S)) as beating):
             async for data in beating:
                 if data is None:
-                    yield events.emit("ping")
+                    if started:  # nothing goes before message_start
+                        yield events.emit("ping")
                     continue
                 usage = data.get("usage") or usage
                 if not started:  # the chat stream's first chunk carries the prompt's usage

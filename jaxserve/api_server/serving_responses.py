@@ -261,10 +261,10 @@ class Run:
                 reply["tool_calls"] = message["tool_calls"]
             conversation = [*self.conversation, reply]
         stored = self.serving.store.items.get(self.id)
-        if stored is None:
-            self.serving.store.put(self.id, Stored(obj, conversation))
-        else:  # a background response, finished or cancelled
+        if stored is not None:  # a background response, finished or cancelled
             stored.response, stored.conversation = obj, conversation
+        elif not self.request.background:  # (a background one gone: deleted or evicted)
+            self.serving.store.put(self.id, Stored(obj, conversation))
 
     async def finish_whole(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = body["choices"][0]

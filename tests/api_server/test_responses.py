@@ -151,6 +151,12 @@ def test_background_polled_and_cancelled(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(running.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError, match="has not completed"):
         client.responses.create(model=MODEL, input="x", previous_response_id=running.id)
+    gone = client.responses.create(model=MODEL, input="Count to a thousand.",
+                                   max_output_tokens=400, background=True)
+    client.responses.delete(gone.id)  # deleting a running one stops it, and it stays gone
+    time.sleep(0.5)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
     with pytest.raises(openai.BadRequestError, match="only background"):
         client.responses.cancel(client.responses.create(model=MODEL, input="x",
                                                         max_output_tokens=1).id)

@@ -176,6 +176,6 @@ async def _announce_when_started(server: uvicorn.Server, host: str, model: str) 
         for sock in s.sockets:
             port = sock.getsockname()[1]
             shown = "localhost" if host in ("0.0.0.0", "::") else host
-            logger.info("serving %s at http://%s:%d/v1 (OpenAI and Anthropic APIs; /health, /metrics)",
-                        model, shown, port)
+            logger.info("serving %s at http://%s:%d/v1 (OpenAI and Anthropic APIs; /health, "
+                        "/metrics)", model, shown, port)
             return

@@ -80,7 +80,8 @@ class ServerArgs:
         choices=sorted(REASONING_PARSERS)))
     enable_prompt_tokens_details: bool = field(default=False, metadata=cli_arg("server",
         "report usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache "
-        "served) in chat completions; the Messages and Responses APIs always report them",
+        "served) in completions and chat completions; the Messages and Responses APIs always "
+        "report them",
         action="store_true"))
     responses_store_size: int = field(default=256, metadata=cli_arg("server",
         "the Responses API keeps this many responses (store=true) in memory for GET, "

@@ -15,6 +15,7 @@ from jaxserve.api_server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptTokensDetails,
     UsageInfo,
     random_uuid,
 )
@@ -138,6 +139,13 @@ class OpenAIServingCompletion:
                 out.append((None, list(p)))
         return out
 
+    def _cached(self, results: list[RequestOutput | None]) -> PromptTokensDetails | None:
+        """--enable-prompt-tokens-details: the prompt tokens the prefix cache served."""
+        if not self.ctx.enable_prompt_tokens_details:
+            return None
+        return PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens or 0
+                                                     for r in results if r is not None))
+
     def _prompt_text(self, prompts: list[tuple[str | None, list[int]]], i: int) -> str:
         text, ids = prompts[i]
         return text if text is not None else self.ctx.decode(ids)
@@ -168,7 +176,8 @@ class OpenAIServingCompletion:
         return CompletionResponse(
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                            total_tokens=num_prompt + num_generated))
+                            total_tokens=num_prompt + num_generated,
+                            prompt_tokens_details=self._cached(final)))
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int,
                       prompts: list[tuple[str | None, list[int]]],
@@ -183,14 +192,18 @@ class OpenAIServingCompletion:
         done = [[False] * n for _ in prompts]
         num_prompt = sum(len(ids) for _, ids in prompts)
 
+        latest: list[RequestOutput | None] = [None] * len(prompts)
+
         def usage() -> UsageInfo:
             num_generated = sum(map(sum, sent_tokens))
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                             total_tokens=num_prompt + num_generated)
+                             total_tokens=num_prompt + num_generated,
+                             prompt_tokens_details=self._cached(latest))
         holdback = stop_holdback(request)
         try:
             async with aclosing(merge_async_iterators(*gens)) as results:
                 async for i, res in results:
+                    latest[i] = res
                     choices = []
                     errors = []  # error events of choices that ended with an error
                     for out in res.outputs:

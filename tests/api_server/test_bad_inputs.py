@@ -40,7 +40,8 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n[[{{ m['content
 @pytest.fixture(scope="module")
 def server():
     with RemoteServer([*SMALL_ENGINE_ARGS, "--api-key", KEY, "--max-logprobs", "5",
-                       "--root-path", "/proxy", "--chat-template", TEMPLATE], api_key=KEY) as s:
+                       "--root-path", "/proxy", "--chat-template", TEMPLATE,
+                       "--enable-prompt-tokens-details"], api_key=KEY) as s:
         yield s
 
 
@@ -200,6 +201,22 @@ def test_server_flags_chat_template_max_logprobs_root_path(server: RemoteServer)
                     json={"prompt": "x", "logprobs": 5, "max_tokens": 2})
     assert ok.status_code == 200
     assert httpx.get(server.url("/openapi.json"), timeout=10).json()["servers"] == [{"url": "/proxy"}]
+
+
+def test_enable_prompt_tokens_details(server: RemoteServer) -> None:
+    """vLLM's flag: usage says how many prompt tokens the prefix cache served."""
+    client = server.client()
+    prompt = "The prefix cache keeps pages of 16 tokens: " * 3
+    for _ in range(2):
+        c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert 0 < c.usage.prompt_tokens_details.cached_tokens < c.usage.prompt_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    msgs = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
 def test_models_show_the_served_name_not_the_path(server: RemoteServer) -> None:

@@ -52,6 +52,25 @@ def test_messages_become_chat_messages() -> None:
         conversation([msgs[0], msgs[1], MessageParam(role="user", content="ok")])
 
 
+def test_the_request_becomes_a_chat_request() -> None:
+    from jaxserve.api_server.messages_protocol import MessagesRequest
+    from jaxserve.api_server.serving_messages import translate
+
+    chat = translate(MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 9, "stop_sequences": ["END"], "top_k": 5,
+        "system": [{"type": "text", "text": "Be brief."}], "thinking": {"type": "disabled"},
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}},
+                  {"type": "web_search_20250305", "name": "web_search"}],
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]}))
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant"]
+    assert chat.continue_final_message and not chat.add_generation_prompt  # a prefill
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert [t.function.name for t in chat.tools] == ["f"] and chat.tool_choice == "required"
+    assert not chat.parallel_tool_calls and chat.stop == ["END"] and chat.top_k == 5
+    assert chat.max_completion_tokens == 9
+
+
 def test_chat_deltas_become_anthropics_events() -> None:
     ev = MessageEvents()
     frames = [*ev.delta({"reasoning": "hm"}), *ev.delta({"reasoning": "m"}),

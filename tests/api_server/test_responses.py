@@ -96,6 +96,7 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
     ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
      "tool_choice", ["web_search"]),
     ({"input": "x", "background": True, "store": False}, "background", ["store"]),
+    ({"input": "x", "background": True, "stream": True}, "stream", ["background"]),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", ["file_search"]),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", ["yaml"]),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ["greater than"]),

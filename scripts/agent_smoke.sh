@@ -10,6 +10,7 @@
 #
 #   bash scripts/agent_smoke.sh            # starts its own server on port 8017
 #   PORT=8000 NO_SERVER=1 bash scripts/agent_smoke.sh   # against a server already running
+#   MODEL_PATH=/models/Qwen3-8B MODEL=qwen3 bash scripts/agent_smoke.sh  # a model that picks tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,8 +30,10 @@ if [ -z "${NO_SERVER:-}" ]; then
   mkdir -p "$WORK/gen"
   echo '{"temperature": 0.2, "repetition_penalty": 1.15}' >"$WORK/gen/generation_config.json"
   # The default model's whole context (8,192): Claude Code's and Codex's prompts are long.
-  JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} "$PYTHON" -m jaxserve.serve --port "$PORT" \
-    --max-model-len 8192 --enable-auto-tool-choice --tool-call-parser hermes \
+  model_args=()
+  [ -n "${MODEL_PATH:-}" ] && model_args=("$MODEL_PATH" --served-model-name "$MODEL")
+  JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} "$PYTHON" -m jaxserve.serve "${model_args[@]}" --port "$PORT" \
+    --max-model-len "${MAX_MODEL_LEN:-8192}" --enable-auto-tool-choice --tool-call-parser hermes \
     --generation-config "$WORK/gen" >"$LOG" 2>&1 &
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT

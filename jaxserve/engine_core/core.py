@@ -126,6 +126,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         st = self.tracer.scheduled(scheduler_output, t0)
         t1 = time.perf_counter()
+        self._wait_if_idle(scheduler_output)
         model_output = self._execute(scheduler_output, st)
         self.scheduler.observe_step_time(scheduler_output.total_num_scheduled_tokens,
                                          time.perf_counter() - t1)
@@ -144,7 +145,7 @@ class EngineCore:
         the queue has room; then, if the queue is full or nothing new could be
         dispatched, waits for the oldest step and returns its outputs.
         Returns None when it only dispatched."""
-        dispatched = False
+        dispatched, scheduler_output = False, None
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
             t0 = time.time()
             scheduler_output = self.scheduler.schedule()
@@ -155,11 +156,19 @@ class EngineCore:
                 self.batch_queue.appendleft((handle, scheduler_output, st))
                 dispatched = True
         if not self.batch_queue:
+            self._wait_if_idle(scheduler_output)
             return self.scheduler.take_unstepped_outputs()
         if dispatched and len(self.batch_queue) < self.batch_queue_size:
             return None
         handle, scheduler_output, st = self.batch_queue.pop()
         return self._update(scheduler_output, handle.result(), st)
+
+    def _wait_if_idle(self, scheduler_output: SchedulerOutput | None) -> None:
+        """A step with nothing to run while grammars compile waits for one (up to 10 ms)
+        instead of spinning the engine loop."""
+        if (scheduler_output is not None and not self._has_work_for_worker(scheduler_output)
+                and self.scheduler.structured_output.compiling):
+            self.scheduler.structured_output.wait_compiling(0.01)
 
     @staticmethod
     def _has_work_for_worker(scheduler_output: SchedulerOutput) -> bool:

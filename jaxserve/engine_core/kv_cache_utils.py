@@ -38,6 +38,16 @@ def min_num_blocks(max_model_len: int, block_size: int) -> int:
     return cdiv(max_model_len, block_size) + 1
 
 
+def check_cache_holds(num_blocks: int, max_model_len: int, block_size: int) -> None:
+    """ValueError, naming the flags, for a cache smaller than min_num_blocks."""
+    if num_blocks < min_num_blocks(max_model_len, block_size):
+        raise ValueError(
+            f"the KV cache holds {num_blocks - 1} pages of {block_size} tokens "
+            f"({(num_blocks - 1) * block_size} tokens) but --max-model-len is "
+            f"{max_model_len}; lower --max-model-len or give the KV cache more memory"
+        )
+
+
 def hash_block_tokens(
     parent_block_hash: BlockHash | None,
     block_token_ids: Sequence[int],

@@ -44,6 +44,16 @@ def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:
     )
 
 
+def append_until_stop(request: Request, new_token_ids: list[int], max_model_len: int
+                      ) -> tuple[list[int], bool]:
+    """Append tokens up to a stop; returns the tokens kept and whether it stopped."""
+    for num_new, token_id in enumerate(new_token_ids, 1):
+        request.append_output_token_ids(token_id)
+        if check_stop(request, token_id, max_model_len):
+            return new_token_ids[:num_new], True
+    return new_token_ids, False
+
+
 def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool:
     """Whether `last_token_id` (just appended) ends the request; sets its
     FINISHED_* status and stop_reason.

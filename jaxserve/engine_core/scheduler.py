@@ -35,13 +35,13 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.engine_core.kv_cache_utils import min_num_blocks
+from jaxserve.engine_core.kv_cache_utils import check_cache_holds
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue, select_victim
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from jaxserve.engine_core.sched_utils import check_new_request, check_stop, waits_for_tokens_in_flight
+from jaxserve.engine_core.sched_utils import append_until_stop, check_new_request, waits_for_tokens_in_flight
 from jaxserve.engine_core.spec_decode import Drafter
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
@@ -75,12 +75,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
 
-        if num_blocks < min_num_blocks(self.max_model_len, self.block_size):
-            raise ValueError(
-                f"the KV cache holds {num_blocks - 1} pages of {self.block_size} tokens "
-                f"({(num_blocks - 1) * self.block_size} tokens) but --max-model-len is "
-                f"{self.max_model_len}; lower --max-model-len or give the KV cache more memory"
-            )
+        check_cache_holds(num_blocks, self.max_model_len, self.block_size)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
         )
@@ -89,8 +84,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids the worker must drop, sent with the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
-        # Outputs of requests ended outside a step (a grammar that failed to compile).
-        self.unstepped_outputs: list[EngineCoreOutput] = []
+        self.unstepped_outputs: list[EngineCoreOutput] = []  # of requests ended outside a step
         self.num_preemptions = 0  # since the previous make_stats()
         self.total_num_preemptions = 0
         spec = speculative_config
@@ -201,8 +195,6 @@ class Scheduler:
         self.finished_req_ids = set()
         self._update_after_schedule(scheduled_running_reqs, num_scheduled_tokens)
         self._update_after_schedule(scheduled_new_reqs, num_scheduled_tokens)
-        if not num_scheduled_tokens and self.structured_output.compiling:
-            self.structured_output.wait_compiling(0.01)  # nothing else to do: do not spin
         return scheduler_output
 
     def _schedule_running(
@@ -372,7 +364,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append the sampled tokens, finish requests that stopped, and return
         one EngineCoreOutput per request with new tokens or a finish."""
-        outputs, self.unstepped_outputs = self.unstepped_outputs, []
+        outputs = self.take_unstepped_outputs()
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -404,7 +396,10 @@ class Scheduler:
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output
             was_running = request.status is _RUNNING
-            new_token_ids, finished = self._update_request_with_output(request, new_token_ids)
+            new_token_ids, finished = append_until_stop(request, new_token_ids, self.max_model_len)
+            if async_scheduling:  # the tokens fill their placeholders
+                request.num_output_placeholders -= len(new_token_ids)
+                self.kv_cache_manager.cache_filled_pages(request, len(new_token_ids))
             error = self.structured_output.accept_tokens(req_id, new_token_ids)
             if error is not None and not finished:  # never unconstrained text: it ends here
                 request.status, request.stop_reason, finished = RequestStatus.FINISHED_ERROR, error, True
@@ -417,22 +412,6 @@ class Scheduler:
             outputs.append(EngineCoreOutput.from_request(request, new_token_ids, new_logprobs))
         self._drop_from_queues(stopped)
         return outputs
-
-    def _update_request_with_output(
-        self, request: Request, new_token_ids: list[int]
-    ) -> tuple[list[int], bool]:
-        """Append tokens up to a stop; returns the tokens kept and whether it stopped."""
-        stopped = False
-        for num_new, token_id in enumerate(new_token_ids, 1):
-            request.append_output_token_ids(token_id)
-            if check_stop(request, token_id, self.max_model_len):
-                stopped = True
-                new_token_ids = new_token_ids[:num_new]
-                break
-        if self.async_scheduling:
-            request.num_output_placeholders -= len(new_token_ids)
-            self.kv_cache_manager.cache_filled_pages(request, len(new_token_ids))
-        return new_token_ids, stopped
 
     # --- state and stats ----------------------------------------------------
 

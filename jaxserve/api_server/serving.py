@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from jaxserve.api_server.protocol import (
     ErrorInfo,
     ErrorResponse,
     LogprobInfo,
+    PromptTokensDetails,
     SamplingRequestFields,
 )
 from jaxserve.metrics.prometheus import ServerMetrics
@@ -373,6 +374,16 @@ def stop_holdback(request: SamplingRequestFields) -> int:
 def visible_text_end(text: str, sent: int, finished: bool, holdback: int) -> int:
     """How far into `text` a stream may send now."""
     return len(text) if finished else max(len(text) - holdback, sent)
+
+
+def cached_prompt_tokens(results: Iterable[RequestOutput | None], wanted: bool
+                         ) -> PromptTokensDetails | None:
+    """The usage's prompt_tokens_details (the prompt tokens the prefix cache served, over
+    `results`), when wanted (--enable-prompt-tokens-details, or the translated APIs)."""
+    if not wanted:
+        return None
+    return PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens or 0
+                                                 for r in results if r is not None))
 
 
 def logprob_token(token_id: int, lp: Any, as_ids: bool) -> str:

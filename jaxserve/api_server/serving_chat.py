@@ -26,7 +26,6 @@ from jaxserve.api_server.protocol import (
     ChatCompletionStreamResponse,
     DeltaMessage,
     FunctionCall,
-    PromptTokensDetails,
     ResponseMessage,
     ToolCall,
     UsageInfo,
@@ -36,6 +35,7 @@ from jaxserve.api_server.reasoning_parsers import REASONING_PARSERS
 from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
+    cached_prompt_tokens,
     clamp_logprob,
     logprob_token,
     prompt_logprobs_info,
@@ -157,7 +157,7 @@ class OpenAIServingChat:
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                             total_tokens=num_prompt + num_generated,
-                            prompt_tokens_details=prompt_details(res, details)),
+                            prompt_tokens_details=cached_prompt_tokens([res], details)),
             prompt_logprobs=prompt_logprobs_info(request.prompt_logprobs, res),
             prompt_token_ids=list(res.prompt_token_ids or []) if request.return_token_ids else None)
 
@@ -175,7 +175,7 @@ class OpenAIServingChat:
             num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                              total_tokens=num_prompt + num_generated,
-                             prompt_tokens_details=prompt_details(last, details))
+                             prompt_tokens_details=cached_prompt_tokens([last], details))
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   prompt_ids: list[int] | None = None) -> str:
@@ -233,13 +233,6 @@ class OpenAIServingChat:
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
-
-
-def prompt_details(res: RequestOutput | None, wanted: bool) -> PromptTokensDetails | None:
-    """The usage's cached prompt tokens (those the prefix cache served), when asked for."""
-    if not wanted:
-        return None
-    return PromptTokensDetails(cached_tokens=(res.num_cached_tokens or 0) if res else 0)
 
 
 def response_message(parser: ChatOutputParser, text: str) -> ResponseMessage:

@@ -15,13 +15,13 @@ from jaxserve.api_server.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    PromptTokensDetails,
     UsageInfo,
     random_uuid,
 )
 from jaxserve.api_server.serving import (
     OpenAIError,
     ServingContext,
+    cached_prompt_tokens,
     clamp_logprob,
     logprob_token,
     merge_async_iterators,
@@ -139,13 +139,6 @@ class OpenAIServingCompletion:
                 out.append((None, list(p)))
         return out
 
-    def _cached(self, results: list[RequestOutput | None]) -> PromptTokensDetails | None:
-        """--enable-prompt-tokens-details: the prompt tokens the prefix cache served."""
-        if not self.ctx.enable_prompt_tokens_details:
-            return None
-        return PromptTokensDetails(cached_tokens=sum(r.num_cached_tokens or 0
-                                                     for r in results if r is not None))
-
     def _prompt_text(self, prompts: list[tuple[str | None, list[int]]], i: int) -> str:
         text, ids = prompts[i]
         return text if text is not None else self.ctx.decode(ids)
@@ -177,7 +170,8 @@ class OpenAIServingCompletion:
             id=request_id, created=created, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                             total_tokens=num_prompt + num_generated,
-                            prompt_tokens_details=self._cached(final)))
+                            prompt_tokens_details=cached_prompt_tokens(
+                                final, self.ctx.enable_prompt_tokens_details)))
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int,
                       prompts: list[tuple[str | None, list[int]]],
@@ -198,7 +192,8 @@ class OpenAIServingCompletion:
             num_generated = sum(map(sum, sent_tokens))
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                              total_tokens=num_prompt + num_generated,
-                             prompt_tokens_details=self._cached(latest))
+                             prompt_tokens_details=cached_prompt_tokens(
+                                 latest, self.ctx.enable_prompt_tokens_details))
         holdback = stop_holdback(request)
         try:
             async with aclosing(merge_async_iterators(*gens)) as results:

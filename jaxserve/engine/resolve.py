@@ -198,6 +198,12 @@ def resolve_checkpoint_format(
     if left:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load: it leaves "
                       f"{left[0]} unquantized, and each projection is stacked over the layers")
+    if cq.desc_act:
+        return None, (f"the checkpoint's {cq.name} weights dequantized at load: activation order "
+                      "(desc_act) puts inputs in groups out of order, which no kernel here reads")
+    if cq.type == "int" and cq.num_bits == 8 and not cq.symmetric:
+        return None, (f"the checkpoint's {cq.name} weights dequantized at load: 8-bit values minus "
+                      "zero points need 9 bits")
     if cq.type == "float" and platform == "cpu":
         return None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has no fp8 matmul)"
     if platform == "cpu" and cpu_bf16:

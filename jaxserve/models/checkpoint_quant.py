@@ -13,6 +13,7 @@ compressed-tensors (llmcompressor's output; vLLM's main format), `w = (q - zero)
                       [ceil(out / b0), ceil(in / b1)] (block)
 fp8 (Qwen3-FP8, DeepSeek-V3): weight float8_e4m3fn [out, in], weight_scale_inv
     [ceil(out / b0), ceil(in / b1)] for `weight_block_size` [b0, b1]; w = weight * scale_inv.
+gptq, awq: models/gptq_awq.py.
 
 Activation quantization (static `input_scale`, dynamic per token) is not applied: activations
 stay in the model's dtype, as vLLM does on chips without FP8 matmuls (weight-only).
@@ -33,7 +34,8 @@ GetTensor = Callable[[str], "np.ndarray | None"]
 SUPPORTED = ("compressed-tensors: float-quantized FP8 weights (tensor, channel, group or block "
              "scales), pack-quantized / int-quantized / naive-quantized int4 and int8 weights "
              "(channel or group scales, symmetric or with zero points); fp8 with "
-             "weight_block_size (Qwen3-FP8, DeepSeek-V3)")
+             "weight_block_size (Qwen3-FP8, DeepSeek-V3); gptq 4- and 8-bit (checkpoint_format "
+             "gptq or gptq_v2, desc_act either way); awq 4-bit (version gemm)")
 _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized")
 
 
@@ -45,8 +47,8 @@ class CheckpointQuantError(ValueError):
 class CheckpointQuant:
     """One weight scheme for every quantized projection of a checkpoint."""
 
-    method: str  # "compressed-tensors" | "fp8"
-    format: str  # one of _CT_FORMATS, or "fp8"
+    method: str  # "compressed-tensors" | "fp8" | "gptq" | "awq"
+    format: str  # one of _CT_FORMATS, or the method
     type: str  # "float" (float8_e4m3fn) | "int"
     num_bits: int  # 8, or 4 (int)
     strategy: str  # "tensor" | "channel" | "group" | "block"
@@ -55,6 +57,8 @@ class CheckpointQuant:
     symmetric: bool = True
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ()
+    desc_act: bool = False  # gptq: inputs may join their groups out of order (g_idx)
+    zero_offset: int = 0  # gptq v1 stores each zero point minus one
 
     @property
     def name(self) -> str:
@@ -80,17 +84,21 @@ class CheckpointQuant:
 class StoredMatrix:
     """A projection as stored: `values` [out, in] (int8 holding int4/int8 values, or
     float8_e4m3fn), `scale` float32 [out, groups] over equal groups of `in // groups` inputs,
-    `zero` int8 [out, groups] or None. w = (values - zero) * scale per group."""
+    `zero` int8 [out, groups] or None. w = (values - zero) * scale per group. `g_idx` [in]:
+    each input's group where they are not in order (GPTQ's activation order; float only)."""
 
     values: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None = None
+    g_idx: np.ndarray | None = None
 
     def as_leaves(self, values_dtype: str) -> dict[str, np.ndarray]:
         """The model's leaves for a checkpoint format (models/quantization.py): `qweight`
         [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn"; values minus zero points,
         which int8 holds exactly for int4 and int8 checkpoints) and `scale` [out, groups]."""
         values = self.values
+        if self.g_idx is not None:
+            raise ValueError("inputs grouped out of order (g_idx) are only read dequantized")
         if self.zero is not None:
             if values_dtype != "int8":
                 raise ValueError(f"{values_dtype} values hold no zero points")
@@ -101,6 +109,11 @@ class StoredMatrix:
 
     def dequantize(self) -> np.ndarray:
         out, n_in = self.values.shape
+        if self.g_idx is not None:
+            q = self.values.astype(np.float32)
+            if self.zero is not None:
+                q = q - self.zero.astype(np.float32)[:, self.g_idx]
+            return q * self.scale[:, self.g_idx]
         g = n_in // self.scale.shape[1]
         q = self.values.astype(np.float32).reshape(out, -1, g)
         if self.zero is not None:
@@ -128,6 +141,10 @@ def from_hf_config(config: dict[str, Any], model_dir: str) -> CheckpointQuant | 
         return _fp8_block(qc, where)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
+    if method in ("gptq", "awq"):
+        from jaxserve.models import gptq_awq
+
+        return (gptq_awq.from_gptq if method == "gptq" else gptq_awq.from_awq)(qc, where)
     fields = ", ".join(f"{k}={qc[k]!r}" for k in ("bits", "group_size", "desc_act", "version",
                                                    "load_in_4bit", "load_in_8bit") if k in qc)
     raise CheckpointQuantError(
@@ -247,6 +264,10 @@ def _need(get: GetTensor, name: str, source: str, cq: CheckpointQuant) -> np.nda
 
 def _read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int],
           source: str) -> StoredMatrix:
+    if cq.method in ("gptq", "awq"):
+        from jaxserve.models import gptq_awq
+
+        return gptq_awq.read(cq, get, module, shape, source)
     out, n_in = shape
     scale_name = f"{module}.weight_scale_inv" if cq.method == "fp8" else f"{module}.weight_scale"
     scale = _expand_scale(cq, _need(get, scale_name, source, cq), shape, scale_name, source)

@@ -91,8 +91,8 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
 
 
 def refuse_quantized(config: dict[str, Any], model_dir: str) -> None:
-    """A checkpoint stored in a quantized format jaxserve does not read (GPTQ, AWQ,
-    bitsandbytes, ...) is refused by name before anything is read, listing the formats it does
+    """A checkpoint stored in a quantized format jaxserve does not read (bitsandbytes, GPTQ's
+    Marlin layout, ...) is refused by name before anything is read, listing the formats it does
     read (models/checkpoint_quant.py); a missing-tensor error would not say why."""
     if config.get("quantization_config"):
         from jaxserve.models.checkpoint_quant import from_hf_config  # NumPy, no JAX

@@ -1,9 +1,11 @@
 """Checkpoints stored quantized (models/checkpoint_quant.py) against references our loader never
 touched: tests/data/quantized holds tiny checkpoints llmcompressor wrote (compressed-tensors
 FP8 per tensor, per channel and per block, W8A16, W4A16 with and without zero points, a
-Qwen3-MoE with int4 experts) and one in the block-wise `fp8` format written from known values,
-each with reference.json: transformers' prompt logprobs and greedy tokens on the weights
-compressed-tensors itself decompressed (scripts/make_quantized_checkpoints.py)."""
+Qwen3-MoE with int4 experts); one in the block-wise `fp8` format and four in GPTQ's and AWQ's
+layouts written from known integers. Each has reference.json: transformers' prompt logprobs and
+greedy tokens on the weights compressed-tensors itself decompressed, or on the integers
+dequantized by the format's formula (scripts/make_quantized_checkpoints.py,
+scripts/make_gptq_awq_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -47,20 +49,22 @@ def _engine_run(model_dir: str, **kw) -> tuple[list[float], list[int], object]:
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_engine_matches_the_dequantized_reference(name: str) -> None:
     """Through the engine on the CPU in float32: int checkpoints served as int8 values with the
-    checkpoint's groups (exact), fp8 ones dequantized at load. Greedy tokens equal, prompt
-    logprobs within 2e-3 (the issue's bound; today within 1e-5)."""
+    checkpoint's groups (exact); fp8 ones, GPTQ's activation order and 8-bit values with zero
+    points dequantized at load. Greedy tokens equal, prompt logprobs within 2e-3 (the issue's
+    bound; today within 1e-5)."""
     from jaxserve.config import WeightFormat
+    from jaxserve.models.checkpoint_quant import from_hf_config
 
     ref = _reference(name)
     logprobs, greedy, (fmt, group) = _engine_run(os.path.join(DATA, name), cpu_auto_bf16=False)
     assert greedy == ref["greedy"]
     assert np.abs(np.array(logprobs) - ref["prompt_logprobs"]).max() < 2e-3
-    cfg = json.load(open(os.path.join(DATA, name, "config.json")))["quantization_config"]
-    if "fp8" in name:
-        assert fmt is WeightFormat.FLOAT  # no fp8 matmul on the CPU: dequantized at load
+    cq = from_hf_config(json.load(open(os.path.join(DATA, name, "config.json"))), name)
+    if "fp8" in name or "actorder" in name or "int8-asym" in name:
+        assert fmt is WeightFormat.FLOAT  # no fp8 matmul on the CPU / no kernel: dequantized at load
     else:
         assert fmt is WeightFormat.CHECKPOINT_INT8
-        assert group == cfg["config_groups"]["group_0"]["weights"]["group_size"]
+        assert group == cq.group_size
     # transformers running the quantized checkpoint itself quantizes activations too (the
     # fp8 schemes' dynamic input quantization): same tokens, logprobs near.
     own = ref.get("transformers_quantized")
@@ -72,6 +76,7 @@ def test_engine_matches_the_dequantized_reference(name: str) -> None:
     ("llama-fp8-dynamic", "checkpoint fp8", None), ("llama-fp8-tensor", "checkpoint fp8", None),
     ("llama-fp8-block", "checkpoint fp8", 64), ("llama-fp8-blockwise", "checkpoint fp8", 64),
     ("llama-w4a16", "checkpoint int4", 32), ("llama-w4a16-asym", "checkpoint int8", 32),
+    ("llama-gptq", "checkpoint int4", 32), ("llama-awq", "checkpoint int8", 32),
 ])
 def test_stored_width_formats_are_the_dequantized_model(name: str, fmt: str, group: int | None) -> None:
     """The formats GPU and TPU serve (fp8 and int4 values in HBM, widened inside the dot), run
@@ -171,11 +176,31 @@ def test_bad_checkpoints_are_start_up_errors_naming_the_tensor_and_field(tmp_pat
     _edit_config(group, lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=48))
     assert "group_size 48 does not divide the 128 input features" in load(group)
 
-    for method, expect in (("gptq", "quant_method 'gptq'"), ("awq", "quant_method 'awq'")):
-        other = _copy("llama-fp8-dynamic", tmp_path / method)
-        _edit_config(other, lambda qc: qc.update(quant_method=method, bits=4))
-        msg = load(other)
-        assert expect in msg and "compressed-tensors" in msg and "weight_block_size" in msg
+    other = _copy("llama-fp8-dynamic", tmp_path / "bnb")
+    _edit_config(other, lambda qc: qc.update(quant_method="bitsandbytes", load_in_4bit=True))
+    msg = load(other)
+    assert "quant_method 'bitsandbytes' (" in msg and "load_in_4bit=True) is not supported" in msg
+    assert all(f in msg for f in ("compressed-tensors", "weight_block_size", "gptq", "awq"))
+
+    # GPTQ and AWQ: a missing or misshapen packed tensor, a config its tensors contradict,
+    # a layout or width not read
+    gptq = _copy("llama-gptq", tmp_path / "gptq-missing")
+    _edit_tensors(gptq, lambda t: t.pop("model.layers.1.self_attn.o_proj.qzeros"))
+    assert "'model.layers.1.self_attn.o_proj.qzeros' is missing (gptq int4" in load(gptq)
+    gptq = _copy("llama-gptq", tmp_path / "gptq-shape")
+    def transposed(t):
+        t["model.layers.0.mlp.up_proj.qweight"] = t["model.layers.0.mlp.up_proj.qweight"].T.copy()
+    _edit_tensors(gptq, transposed)
+    assert "'model.layers.0.mlp.up_proj.qweight' is int32 (256, 16), expected int32 (16, 256)" in load(gptq)
+    order = _copy("llama-gptq-actorder", tmp_path / "gptq-order")
+    _edit_config(order, lambda qc: qc.update(desc_act=False))
+    assert "g_idx' orders the inputs' groups out of order, but quantization_config.desc_act is false" in load(order)
+    sym = _copy("llama-awq", tmp_path / "awq-gemv")
+    _edit_config(sym, lambda qc: qc.update(version="gemv"))
+    assert "quantization_config.version: 'gemv'; jaxserve reads AWQ's GEMM layout" in load(sym)
+    bits3 = _copy("llama-gptq", tmp_path / "gptq-bits")
+    _edit_config(bits3, lambda qc: qc.update(bits=3))
+    assert "quantization_config.bits: 3; jaxserve reads 4- and 8-bit GPTQ" in load(bits3)
 
     bits = _copy("llama-fp8-dynamic", tmp_path / "bits")
     _edit_config(bits, lambda qc: qc["config_groups"]["group_0"]["weights"].update(type="int", num_bits=3))

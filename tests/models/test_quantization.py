@@ -297,7 +297,7 @@ def test_bf16_refuses_experts_by_name(tmp_path) -> None:
 
 
 def test_a_checkpoint_stored_quantized_is_refused_by_name(tmp_path) -> None:
-    """GPTQ, AWQ and compressed-tensors configurations jaxserve does not read
+    """GPTQ, AWQ, bitsandbytes and compressed-tensors configurations jaxserve does not read
     (models/checkpoint_quant.py reads the rest) are refused before any tensor is read, naming
     the scheme or field, offline (ValueError) and at the command line (a usage error, before
     any process starts)."""
@@ -315,8 +315,9 @@ def test_a_checkpoint_stored_quantized_is_refused_by_name(tmp_path) -> None:
             "format": "marlin-24", "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
          "config_groups.g.format 'marlin-24' is not supported"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size: None"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "group_size=128"),
-        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "version='gemm'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "load_in_4bit=True"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False}, "bits: 3"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv_fast"}, "version: 'gemv_fast'"),
     ]
     path = f"{model_dir}/config.json"
     config = json.load(open(path))
@@ -329,4 +330,4 @@ def test_a_checkpoint_stored_quantized_is_refused_by_name(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--model", model_dir],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "quantization_config" in proc.stderr, proc.stderr[-2000:]
-    assert "'awq'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "'gemv_fast'" in proc.stderr and "Traceback" not in proc.stderr

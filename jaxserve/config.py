@@ -337,6 +337,7 @@ class WeightFormat(enum.Enum):
     # scales served as stored (embeddings and LM head in the model dtype):
     CHECKPOINT_INT8 = "checkpoint int8"  # int8 values (int4 ones with zero points widened)
     CHECKPOINT_INT4 = "checkpoint int4"
+    CHECKPOINT_INT4_ZP = "checkpoint int4 zero points"  # int4 values, zero points times scales (AWQ)
     CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
 
     @classmethod
@@ -350,7 +351,8 @@ class WeightFormat(enum.Enum):
         """The --quantization name of this format (logs and JSON reports)."""
         return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
                 WeightFormat.BF16_PACKED: "bf16", WeightFormat.CHECKPOINT_INT8: "int8",
-                WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_FP8: "fp8"}.get(self)
+                WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
+                WeightFormat.CHECKPOINT_FP8: "fp8"}.get(self)
 
     @property
     def quantized(self) -> bool:
@@ -362,7 +364,7 @@ class WeightFormat(enum.Enum):
     def from_checkpoint(self) -> bool:
         """The checkpoint's own quantized values, read as stored."""
         return self in (WeightFormat.CHECKPOINT_INT8, WeightFormat.CHECKPOINT_INT4,
-                        WeightFormat.CHECKPOINT_FP8)
+                        WeightFormat.CHECKPOINT_INT4_ZP, WeightFormat.CHECKPOINT_FP8)
 
     @property
     def scaled(self) -> bool:
@@ -371,8 +373,14 @@ class WeightFormat(enum.Enum):
 
     @property
     def values_dtype(self) -> str:  # a scaled format's `qweight` (JAX's and ml_dtypes' name)
-        return {WeightFormat.CHECKPOINT_INT4: "int4",
+        return {WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
                 WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn"}.get(self, "int8")
+
+    @property
+    def zero_points(self) -> bool:
+        """Each group's values less its zero point: a `zero_scale` leaf [out, groups] beside
+        `scale`, zero times scale in the model's dtype (models/quantization.py's Int8Dense)."""
+        return self is WeightFormat.CHECKPOINT_INT4_ZP
 
     @property
     def bf16(self) -> bool:

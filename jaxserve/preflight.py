@@ -297,7 +297,7 @@ def _roofline_rows(target: Target, worker: Any, config: Any) -> list[Row]:
     fmt = worker.weight_format
     act = np.dtype(worker.dtype).itemsize
     # A checkpoint's own format: its values' width (XLA widens them to bf16 inside the dot).
-    weight_width = (0.5 if fmt is WeightFormat.CHECKPOINT_INT4 else 1 if fmt.scaled
+    weight_width = (0.5 if fmt.values_dtype == "int4" else 1 if fmt.scaled
                     else 2 if fmt.bf16 else act)
     kv_width = 1 if r.kv_cache_dtype.fp8 else np.dtype(r.kv_cache_dtype.value).itemsize
     return roofline.rows(

@@ -1,8 +1,10 @@
 """Write tiny GPTQ and AWQ checkpoints under tests/data/quantized/ and their references.
 
-    /tmp/lc-venv/bin/python scripts/make_gptq_awq_checkpoints.py tests/data/quantized
+    /tmp/lc-venv/bin/python scripts/make_gptq_awq_checkpoints.py tests/data/quantized \
+        --library-reference /tmp/gptq-venv/bin/python
 
-(the venv of scripts/make_quantized_checkpoints.py: torch and transformers.) No library here
+(the venv of scripts/make_quantized_checkpoints.py: torch and transformers; the second, that of
+scripts/gptq_awq_library_reference.py.) No library here
 writes these formats on a CPU, so each tiny random Llama is quantized in this script and its
 integers packed by the formats' published layouts, written out element by element:
 
@@ -15,13 +17,16 @@ integers packed by the formats' published layouts, written out element by elemen
 
 reference.json holds transformers' prompt logprobs and greedy tokens on the float model whose
 weights are those integers dequantized by the formula above, so the reference never goes
-through jaxserve's loader.
+through jaxserve's loader. With --library-reference it also holds gptqmodel's own reading of
+each checkpoint through transformers (`library_dequantized`: its dequantization in float32,
+which checks this script's packing; `transformers_quantized`: its fp16 CPU kernels).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -66,7 +71,7 @@ def pack(vals: np.ndarray, bits: int, axis: int, order: list[int] | None = None)
 
 
 def make(out: str, name: str, method: str, bits: int, group: int, sym: bool, seed: int,
-         desc_act: bool = False, v1: bool = True) -> None:
+         desc_act: bool = False, v1: bool = True) -> str:
     from safetensors.numpy import save_file
 
     model = tiny("llama", seed)
@@ -118,14 +123,34 @@ def make(out: str, name: str, method: str, bits: int, group: int, sym: bool, see
         json.dump(logprobs(model), f)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     print(f"{name}: {size // 1024} KiB")
+    return path
 
 
-def main(out: str) -> None:
-    make(out, "llama-gptq", "gptq", 4, 32, sym=True, seed=11)
-    make(out, "llama-gptq-int8-asym", "gptq", 8, -1, sym=False, seed=12)
-    make(out, "llama-gptq-actorder", "gptq", 4, 32, sym=False, seed=13, desc_act=True, v1=False)
-    make(out, "llama-awq", "awq", 4, 32, sym=False, seed=14)
+def library_reference(path: str, python: str) -> None:
+    script = os.path.join(os.path.dirname(__file__), "gptq_awq_library_reference.py")
+    subprocess.run([python, script, path, path + ".lib.json"], check=True)
+    with open(path + ".lib.json") as f:
+        lib = json.load(f)
+    os.remove(path + ".lib.json")
+    with open(os.path.join(path, "reference.json")) as f:
+        ref = json.load(f)
+    ref["library_dequantized"] = {k: lib[k] for k in ("prompt_logprobs", "library", "how")}
+    ref["transformers_quantized"] = {"prompt_logprobs": lib["native_prompt_logprobs"],
+                                     "library": lib["library"]}
+    with open(os.path.join(path, "reference.json"), "w") as f:
+        json.dump(ref, f)
+
+
+def main(out: str, library_python: str | None) -> None:
+    made = [make(out, "llama-gptq", "gptq", 4, 32, sym=True, seed=11),
+            make(out, "llama-gptq-int8-asym", "gptq", 8, -1, sym=False, seed=12),
+            make(out, "llama-gptq-actorder", "gptq", 4, 32, sym=False, seed=13, desc_act=True, v1=False),
+            make(out, "llama-awq", "awq", 4, 32, sym=False, seed=14)]
+    for path in made if library_python else ():
+        library_reference(path, library_python)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/quantized")
+    args = sys.argv[1:]
+    lib = args[args.index("--library-reference") + 1] if "--library-reference" in args else None
+    main(args[0] if args and not args[0].startswith("--") else "tests/data/quantized", lib)

@@ -177,9 +177,10 @@ def resolve_checkpoint_format(
     None for a float checkpoint.
 
     fp8 stays 8-bit on GPU and TPU (kernels_pallas/int8_matmul widens it inside the matmul);
-    the CPU has no fp8 matmul, so it is dequantized at load there. int4 with symmetric scales
-    stays 4-bit on the TPU; elsewhere (the GPU kernel has no 4-bit loads), and with zero points
-    anywhere, int values are served as int8, which holds them (and q - zero) exactly; but on a
+    the CPU has no fp8 matmul, so it is dequantized at load there. int4 stays 4-bit on the TPU
+    (with zero points, AWQ's, as an int8 `zero` leaf; not for experts, whose kernel has none);
+    elsewhere (the GPU kernel has no 4-bit loads) int values are served as int8, which holds
+    them (and q - zero for int4) exactly; but on a
     CPU whose default is bf16 weights (`cpu_bf16`: resolve_quantization chose them) they are
     dequantized into those, its faster path (docs/benchmarks.md, "Checkpoints stored
     quantized"; --no-cpu-auto-bf16 keeps them exact as int8)."""
@@ -209,8 +210,10 @@ def resolve_checkpoint_format(
     if platform == "cpu" and cpu_bf16:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load into them: faster "
                       "than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, exact)")
+    int4 = cq.num_bits == 4 and platform == "tpu"
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
-           if cq.num_bits == 4 and cq.symmetric and platform == "tpu" else WeightFormat.CHECKPOINT_INT8)
+           if int4 and cq.symmetric else WeightFormat.CHECKPOINT_INT4_ZP
+           if int4 and not arch.num_experts else WeightFormat.CHECKPOINT_INT8)
     group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
     return (fmt, group), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values"
 

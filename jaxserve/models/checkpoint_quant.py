@@ -92,13 +92,19 @@ class StoredMatrix:
     zero: np.ndarray | None = None
     g_idx: np.ndarray | None = None
 
-    def as_leaves(self, values_dtype: str) -> dict[str, np.ndarray]:
+    def as_leaves(self, values_dtype: str, zero_points: bool = False) -> dict[str, np.ndarray]:
         """The model's leaves for a checkpoint format (models/quantization.py): `qweight`
-        [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn"; values minus zero points,
-        which int8 holds exactly for int4 and int8 checkpoints) and `scale` [out, groups]."""
+        [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn") and `scale` [out, groups];
+        with `zero_points` also `zero_scale` float32 [out, groups] (zero times scale), else
+        `qweight` holds the values minus zero points (which int8 holds exactly for int4)."""
         values = self.values
         if self.g_idx is not None:
             raise ValueError("inputs grouped out of order (g_idx) are only read dequantized")
+        if zero_points:
+            zero = self.zero if self.zero is not None else np.zeros(self.scale.shape, np.int8)
+            dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
+            return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale,
+                    "zero_scale": zero.astype(np.float32) * self.scale}
         if self.zero is not None:
             if values_dtype != "int8":
                 raise ValueError(f"{values_dtype} values hold no zero points")

@@ -247,7 +247,9 @@ def _add_bias(mod: nn.Module, y: jax.Array) -> jax.Array:
 
 class Int8Dense(nn.Module):
     """`nn.Dense` with scaled weights: params `qweight` [out, in] (int8, or a checkpoint's
-    int4 / float8 `values_dtype`), `scale` [out, groups] of `group_size` inputs, `bias`.
+    int4 / float8 `values_dtype`), `scale` [out, groups] of `group_size` inputs, `bias`;
+    with `zero_points` also `zero_scale` [out, groups] in `dtype`, each group's zero point
+    times its scale: w = qweight * scale - zero_scale.
 
     Inside the layer scan (`num_layers` set) `qweight` / `scale` are the whole stack
     [num_layers, ...] in the INT8_LAYERS collection and `layer` picks this layer's.
@@ -261,15 +263,26 @@ class Int8Dense(nn.Module):
     cpu_kernel: bool = True
     values_dtype: str = "int8"
     group_size: int | None = GROUP_SIZE
+    zero_points: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         n_in = x.shape[-1]
+        x = x.astype(self.dtype)
+        groups = (self.features, num_groups(n_in, self.group_size))
         qweight = _layer_weight(self, "qweight", jnp.zeros, (self.features, n_in),
                                 jnp.dtype(self.values_dtype))
-        scale = _layer_weight(self, "scale", jnp.ones,
-                              (self.features, num_groups(n_in, self.group_size)), jnp.float32)
-        return _add_bias(self, int8_matmul_rows(x.astype(self.dtype), qweight, scale, layer, self.cpu_kernel))
+        scale = _layer_weight(self, "scale", jnp.ones, groups, jnp.float32)
+        y = int8_matmul_rows(x, qweight, scale, layer, self.cpu_kernel)
+        if self.zero_points:  # x @ ((q - z) s).T = x @ (q s).T - (x summed per group) @ (z s).T
+            # A leaf of its own, not zero and scale: read beside the kernel's scale operand, XLA
+            # relaid the whole scale stack at every layer (2x the step's bytes, docs/benchmarks.md).
+            zs = _layer_weight(self, "zero_scale", jnp.zeros, groups, self.dtype)
+            if zs.ndim == 3:
+                zs = jax.lax.dynamic_index_in_dim(zs, layer, keepdims=False)
+            sums = x.reshape(*x.shape[:-1], groups[1], n_in // groups[1]).sum(-1)
+            y = y - sums @ zs.T
+        return _add_bias(self, y)
 
 
 class Bf16Dense(nn.Module):
@@ -359,7 +372,7 @@ def dense(
     scaled format's inputs per scale (ModelOptions.weight_group_size)."""
     if fmt.scaled:
         return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.values_dtype,
-                         group_size, name=name)
+                         group_size, fmt.zero_points, name=name)
     if fmt.bf16:
         return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.packed, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -380,7 +393,7 @@ def embed(
 
 
 def _is_quantized_leaf(node: dict[str, Any], key: str) -> bool:
-    return ("qweight" in node or "packed" in node) and key in ("qweight", "scale", "packed")
+    return ("qweight" in node or "packed" in node) and key in ("qweight", "scale", "zero_scale", "packed")
 
 
 def _is_mixed_mlp(mlp: Any) -> bool:
@@ -390,7 +403,7 @@ def _is_mixed_mlp(mlp: Any) -> bool:
 
 def model_variables(params: dict[str, Any]) -> dict[str, Any]:
     """The stored tree `{"params": ...}` as the model's variables for `apply`: the layer
-    scan's quantized `qweight` / `scale` move to the INT8_LAYERS collection, and a feed-forward of
+    scan's quantized `qweight` / `scale` / `zero_scale` move to the INT8_LAYERS collection, and a feed-forward of
     two kinds of layers to MLP_STACKS (same paths)."""
     layers = params["params"].get("layers")
     if not isinstance(layers, dict):

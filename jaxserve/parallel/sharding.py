@@ -82,14 +82,15 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
 
 def _quantized_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
     """Rules for int8 and bf16 weights (models/quantization.py): `qweight` is the float kernel
-    transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale` [out, groups]
-    splits as `qweight` does (a group of inputs stays on the device holding its inputs);
+    transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale`, `zero_scale` [out, groups]
+    split as `qweight` does (a group of inputs stays on the device holding its inputs);
     packed bf16 weights (`packed`) stay whole."""
     out: dict[tuple[str, ...], tuple[str, ...]] = {}
     for path, ax in axes.items():
         if path[-1] == "kernel":
             *lead, inp, outp = ax
-            out[(*path[:-1], "qweight")] = out[(*path[:-1], "scale")] = (*lead, outp, inp)
+            for leaf in ("qweight", "scale", "zero_scale"):
+                out[(*path[:-1], leaf)] = (*lead, outp, inp)
         elif path == ("embed_tokens", "embedding"):
             out[("embed_tokens", "qweight")] = out[("embed_tokens", "scale")] = ax
         # Packed bf16 (the CPU, one device per stage): oneDNN's opaque [..., S] blocks, whole.

@@ -65,8 +65,11 @@ def test_engine_matches_the_dequantized_reference(name: str) -> None:
     else:
         assert fmt is WeightFormat.CHECKPOINT_INT8
         assert group == cq.group_size
+    lib = ref.get("library_dequantized")  # GPTQ / AWQ: gptqmodel's own reading of the tensors
+    if lib is not None:
+        assert np.abs(np.array(logprobs) - lib["prompt_logprobs"]).max() < 2e-3
     # transformers running the quantized checkpoint itself quantizes activations too (the
-    # fp8 schemes' dynamic input quantization): same tokens, logprobs near.
+    # fp8 schemes' dynamic input quantization; gptqmodel's fp16 kernels): logprobs near.
     own = ref.get("transformers_quantized")
     if own is not None:
         assert np.abs(np.array(own["prompt_logprobs"]) - ref["prompt_logprobs"]).max() < 0.1
@@ -77,6 +80,8 @@ def test_engine_matches_the_dequantized_reference(name: str) -> None:
     ("llama-fp8-block", "checkpoint fp8", 64), ("llama-fp8-blockwise", "checkpoint fp8", 64),
     ("llama-w4a16", "checkpoint int4", 32), ("llama-w4a16-asym", "checkpoint int8", 32),
     ("llama-gptq", "checkpoint int4", 32), ("llama-awq", "checkpoint int8", 32),
+    ("llama-awq", "checkpoint int4 zero points", 32),
+    ("llama-w4a16-asym", "checkpoint int4 zero points", 32),
 ])
 def test_stored_width_formats_are_the_dequantized_model(name: str, fmt: str, group: int | None) -> None:
     """The formats GPU and TPU serve (fp8 and int4 values in HBM, widened inside the dot), run

@@ -198,7 +198,11 @@ def build_params(
             raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
 
         def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-            return stored.read(raw_get, module, shape, source).as_leaves(weight_format.values_dtype)
+            leaves = stored.read(raw_get, module, shape, source).as_leaves(
+                weight_format.values_dtype, weight_format.zero_points)
+            if "zero_scale" in leaves:  # a float leaf: the model's dtype
+                leaves["zero_scale"] = leaves["zero_scale"].astype(dtype)
+            return leaves
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers

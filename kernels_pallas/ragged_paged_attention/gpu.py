@@ -163,8 +163,13 @@ def _kernel(
 
 
 def default_tuning(group_pad: int, head_dim: int, page_size: int) -> tuple[int, int]:
-    """(block_q, pages_per_block): a 32-row q tile; 64 keys a step (32 for head_dim > 128)."""
-    return max(1, 32 // group_pad), max(1, (32 if head_dim > 128 else 64) // page_size)
+    """(block_q, pages_per_block): a 32-row q tile and 64 keys a step; for head_dim > 128 a
+    16-row tile and 32 keys. At 256 a 32-row tile spilled registers (ptxas held it to 128 a
+    thread) once the cache passed 2^31 elements and slot offsets became 64-bit, with a
+    sliding window: a Gemma-3-4B cache at 32k on an H100 (scripts/gpu_tunings.py's procedure)."""
+    if head_dim > 128:
+        return max(1, 16 // group_pad), max(1, 32 // page_size)
+    return max(1, 32 // group_pad), max(1, 64 // page_size)
 
 
 def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
@@ -213,9 +218,8 @@ def ragged_paged_attention(
     interpret: bool = False,
     check: bool = True,
 ) -> jax.Array:
-    """Same contract as the reference. Tuning: `block_q` query tokens per program (default:
-    enough for a 32-row tile), `pages_per_block` pages per step (default: 64 keys; 32 for
-    head_dim > 128), `num_warps` (default 4; 8 for head_dim > 128: Gemma's 256 spilled
+    """Same contract as the reference. Tuning: `block_q` query tokens per program and
+    `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8 for head_dim > 128: Gemma's 256 spilled
     registers at 4 warps and 64 keys on H200) / `num_stages` for Triton (`check_tuning` says which compile; `check=False`
     skips it, to ask the compiler itself). head_dim and page_size must be powers of two."""
     num_tokens, num_q_heads, head_dim = q.shape

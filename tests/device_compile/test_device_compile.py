@@ -331,6 +331,34 @@ def test_gpu_register_spills_fail_the_compile() -> None:
             compile_with(block_q=32, pages_per_block=8, num_warps=4)
 
 
+def test_head_dim_256_sliding_window_over_a_large_cache_compiles_for_h100() -> None:
+    """Issue 50's Gemma-3-4B at 32k on an H100 (8 q heads, 4 KV heads of 256, window 1,024, a
+    cache of 21,714 pages past 2^31 elements, so 64-bit slot offsets): the default tuning
+    spilled registers with a sliding window (the preflight failed) and compiles now."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxserve.preflight import GPU_COMPILER_OPTIONS
+    from jaxserve.worker.programs import without_persistent_cache
+    from jaxserve.worker.targets import make_devices
+    from kernels_pallas.ragged_paged_attention import gpu
+
+    on = SingleDeviceSharding(make_devices(parse_target("h100"), 1)[0])
+    a = lambda s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=on)  # noqa: E731
+    args = (a((512, 8, 256), jnp.bfloat16), a((69666, 16, 8, 256), jnp.bfloat16), a((64,)),
+            a((64, 2048)), a((65,)), a((1,)))
+    with without_persistent_cache():
+        for window in (1024, None):
+            fn = jax.jit(lambda *x: gpu.ragged_paged_attention(*x, sm_scale=0.0625,
+                                                               sliding_window=window))
+            fn.trace(*args).lower().compile(GPU_COMPILER_OPTIONS)
+        with pytest.raises(Exception, match="register spilling"):  # the former default
+            fn = jax.jit(lambda *x: gpu.ragged_paged_attention(
+                *x, sm_scale=0.0625, sliding_window=1024, block_q=16, pages_per_block=2))
+            fn.trace(*args).lower().compile(GPU_COMPILER_OPTIONS)
+
+
 def _save_qwen3_moe(path: str, **extra) -> str:
     """A Qwen3-MoE-shaped config.json (64 experts, top-8; no weights: preflight needs none)."""
     import transformers

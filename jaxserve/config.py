@@ -426,6 +426,7 @@ class ResolvedConfig:
     max_model_len: int  # --max-model-len, or the model's context length
     kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype; bf16 for a CPU's bf16 weights)
     weight_group_size: int | None = None  # a checkpoint format's inputs per scale (None: per channel)
+    weight_act_order: bool = False  # GPTQ's desc_act: inputs permuted into their groups (`perm`)
 
 
 @dataclass(frozen=True)

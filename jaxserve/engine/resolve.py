@@ -52,11 +52,11 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     quantization, reason = resolve_quantization(mc.quantization, mc.dtype, platform, tp, pp,
                                                 lambda: arch, mc.cpu_auto_bf16)
-    weight_format, group_size = WeightFormat.of(quantization), None
+    weight_format, group_size, act_order = WeightFormat.of(quantization), None, False
     stored = resolve_checkpoint_format(files, arch, mc.quantization, platform, tp,
                                        cpu_bf16=quantization == "bf16")
     if stored is not None and stored[0] is not None:
-        (weight_format, group_size), reason = stored
+        (weight_format, group_size, act_order), reason = stored
     elif stored is not None:
         reason = f"{reason}; {stored[1]}"
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
@@ -71,7 +71,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         max_model_len=max_model_len,
         kv_cache_dtype=KVCacheDtype.resolve(config.cache_config.cache_dtype,
                                             auto_kv_cache_dtype(dtype, weight_format, platform)),
-        weight_group_size=group_size)
+        weight_group_size=group_size, weight_act_order=act_order)
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),
@@ -170,9 +170,10 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
 def resolve_checkpoint_format(
     files: ModelFiles, arch: ArchConfig, quantization: str | None, platform: str, tp: int,
     cpu_bf16: bool = False,
-) -> tuple[tuple[WeightFormat, int | None] | None, str] | None:
+) -> tuple[tuple[WeightFormat, int | None, bool] | None, str] | None:
     """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: ((the format
-    that keeps its stored width, its inputs per scale), why), or (None, why) where its
+    that keeps its stored width, its inputs per scale, whether its inputs are permuted into
+    their groups: GPTQ's desc_act), why), or (None, why) where its
     weights are dequantized at load into the format `--quantization` and the platform pick.
     None for a float checkpoint.
 
@@ -199,9 +200,10 @@ def resolve_checkpoint_format(
     if left:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load: it leaves "
                       f"{left[0]} unquantized, and each projection is stacked over the layers")
-    if cq.desc_act:
+    if cq.desc_act and (tp > 1 or arch.num_experts):
         return None, (f"the checkpoint's {cq.name} weights dequantized at load: activation order "
-                      "(desc_act) puts inputs in groups out of order, which no kernel here reads")
+                      "(desc_act) permutes each projection's inputs, which tensor parallelism "
+                      "and the experts' matmul do not")
     if cq.type == "int" and cq.num_bits == 8 and not cq.symmetric:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load: 8-bit values minus "
                       "zero points need 9 bits")
@@ -215,7 +217,8 @@ def resolve_checkpoint_format(
            if int4 and cq.symmetric else WeightFormat.CHECKPOINT_INT4_ZP
            if int4 and not arch.num_experts else WeightFormat.CHECKPOINT_INT8)
     group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
-    return (fmt, group), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values"
+    order = ", inputs permuted into their groups (desc_act)" if cq.desc_act else ""
+    return (fmt, group, cq.desc_act), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values{order}"
 
 
 def resolve_packed_weights(fmt: WeightFormat, platform: str, tp: int, pp: int,

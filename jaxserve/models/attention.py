@@ -41,6 +41,7 @@ class ModelOptions:
     mesh: Mesh | None = None  # set when tensor parallel: attention runs under shard_map
     weight_format: WeightFormat = WeightFormat.FLOAT  # models/quantization.py
     weight_group_size: int | None = GROUP_SIZE  # a scaled format's inputs per scale
+    weight_act_order: bool = False  # a checkpoint's projections read their inputs permuted
     # The values the cache holds (the engine's is resolved from --kv-cache-dtype): fp8 ones are
     # stored as their bits in a uint8 cache.
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.FLOAT32
@@ -158,7 +159,8 @@ class Attention(nn.Module):
         T = x.shape[0]
         def dense(n: int, bias: bool, name: str) -> nn.Module:
             return make_dense(n, bias, opts.dtype, opts.weight_format, name, cfg.num_hidden_layers,
-                              cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size)
+                              cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size,
+                              act_order=opts.weight_act_order)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)

@@ -92,26 +92,32 @@ class StoredMatrix:
     zero: np.ndarray | None = None
     g_idx: np.ndarray | None = None
 
-    def as_leaves(self, values_dtype: str, zero_points: bool = False) -> dict[str, np.ndarray]:
+    def as_leaves(self, values_dtype: str, zero_points: bool = False,
+                  act_order: bool = False) -> dict[str, np.ndarray]:
         """The model's leaves for a checkpoint format (models/quantization.py): `qweight`
         [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn") and `scale` [out, groups];
         with `zero_points` also `zero_scale` float32 [out, groups] (zero times scale), else
-        `qweight` holds the values minus zero points (which int8 holds exactly for int4)."""
-        values = self.values
-        if self.g_idx is not None:
-            raise ValueError("inputs grouped out of order (g_idx) are only read dequantized")
+        `qweight` holds the values minus zero points (which int8 holds exactly for int4).
+        With `act_order` also `perm` int32 [in]: the inputs sorted by group, the order of
+        `qweight`'s columns (GPTQ's g_idx made contiguous groups, as vLLM's Marlin path does)."""
+        values, leaves = self.values, {}
+        if act_order:
+            n_in = values.shape[1]
+            perm = np.argsort(self.g_idx, kind="stable") if self.g_idx is not None else np.arange(n_in)
+            values, leaves["perm"] = values[:, perm], perm.astype(np.int32)
+        elif self.g_idx is not None:
+            raise ValueError("inputs grouped out of order (g_idx) need act_order")
+        dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
         if zero_points:
             zero = self.zero if self.zero is not None else np.zeros(self.scale.shape, np.int8)
-            dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
             return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale,
-                    "zero_scale": zero.astype(np.float32) * self.scale}
+                    "zero_scale": zero.astype(np.float32) * self.scale, **leaves}
         if self.zero is not None:
             if values_dtype != "int8":
                 raise ValueError(f"{values_dtype} values hold no zero points")
             g = values.shape[1] // self.zero.shape[1]
             values = (values.astype(np.int16) - np.repeat(self.zero, g, axis=1)).astype(np.int8)
-        dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
-        return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale}
+        return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale, **leaves}
 
     def dequantize(self) -> np.ndarray:
         out, n_in = self.values.shape

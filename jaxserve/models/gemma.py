@@ -45,7 +45,7 @@ class GemmaDecoderLayer(nn.Module):
         h = h + norm("post_attention_layernorm")(attn_out)
         mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.weight_format,
                      cfg.num_hidden_layers, opts.cpu_kernel, "gelu_pytorch_tanh",
-                     opts.weight_group_size, name="mlp")
+                     opts.weight_group_size, opts.weight_act_order, name="mlp")
         h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h),
                                                        layer_idx))
         return (h, kv_cache), None

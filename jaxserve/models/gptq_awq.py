@@ -160,4 +160,7 @@ def _g_idx(cq: CheckpointQuant, get: GetTensor, module: str, n_in: int, groups: 
     if not cq.desc_act:
         raise CheckpointQuantError(f"{source}: tensor {name!r} orders the inputs' groups out of "
                                    "order, but quantization_config.desc_act is false")
+    if (np.bincount(g, minlength=groups) != n_in // groups).any():
+        raise CheckpointQuantError(f"{source}: tensor {name!r} puts unequal numbers of inputs "
+                                   f"in its groups ({n_in // groups} each expected)")
     return g.astype(np.int32)

@@ -41,12 +41,13 @@ class SwiGLU(nn.Module):
     cpu_kernel: bool = True
     activation: str = "silu"  # or "gelu_pytorch_tanh"
     group_size: int | None = GROUP_SIZE  # a scaled format's inputs per scale
+    act_order: bool = False  # the projections read their inputs permuted (Int8Dense)
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         def dense(n: int, name: str) -> nn.Module:
             return quant_dense(n, False, self.dtype, self.weight_format, name, self.num_layers,
-                               self.cpu_kernel, self.group_size)
+                               self.cpu_kernel, self.group_size, act_order=self.act_order)
         gate = dense(self.intermediate_size, "gate_proj")(x, layer)
         up = dense(self.intermediate_size, "up_proj")(x, layer)
         act = nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)

@@ -69,7 +69,8 @@ class DecoderLayer(nn.Module):
         else:
             mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.weight_format,
                          cfg.num_hidden_layers, opts.cpu_kernel,
-                         group_size=opts.weight_group_size, name="mlp")
+                         group_size=opts.weight_group_size, act_order=opts.weight_act_order,
+                         name="mlp")
         h = h + mlp(mlp_in, layer_idx)
         return (h, kv_cache), None
 

@@ -249,7 +249,9 @@ class Int8Dense(nn.Module):
     """`nn.Dense` with scaled weights: params `qweight` [out, in] (int8, or a checkpoint's
     int4 / float8 `values_dtype`), `scale` [out, groups] of `group_size` inputs, `bias`;
     with `zero_points` also `zero_scale` [out, groups] in `dtype`, each group's zero point
-    times its scale: w = qweight * scale - zero_scale.
+    times its scale: w = qweight * scale - zero_scale. With `act_order` also `perm` int32 [in]:
+    the inputs in their groups' order (GPTQ's desc_act), columns of `qweight` stored so; the
+    product reads x[..., perm].
 
     Inside the layer scan (`num_layers` set) `qweight` / `scale` are the whole stack
     [num_layers, ...] in the INT8_LAYERS collection and `layer` picks this layer's.
@@ -264,11 +266,18 @@ class Int8Dense(nn.Module):
     values_dtype: str = "int8"
     group_size: int | None = GROUP_SIZE
     zero_points: bool = False
+    act_order: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         n_in = x.shape[-1]
         x = x.astype(self.dtype)
+        if self.act_order:
+            perm = _layer_weight(self, "perm", lambda s, d: jnp.broadcast_to(jnp.arange(n_in, dtype=d), s),
+                                 (n_in,), jnp.int32)
+            if perm.ndim == 2:
+                perm = jax.lax.dynamic_index_in_dim(perm, layer, keepdims=False)
+            x = jnp.take(x, perm, axis=-1, mode="clip")
         groups = (self.features, num_groups(n_in, self.group_size))
         qweight = _layer_weight(self, "qweight", jnp.zeros, (self.features, n_in),
                                 jnp.dtype(self.values_dtype))
@@ -366,13 +375,14 @@ class Int8Embed(nn.Module):
 def dense(
     features: int, use_bias: bool, dtype: Any, fmt: WeightFormat, name: str | None = None,
     num_layers: int | None = None, cpu_kernel: bool = True, group_size: int | None = GROUP_SIZE,
+    act_order: bool = False,
 ) -> nn.Module:
     """The projection for a weight format (float: `Dense`); called `(x, layer)`.
     `num_layers`: the module is inside the layer scan of that many layers; `group_size`: a
     scaled format's inputs per scale (ModelOptions.weight_group_size)."""
     if fmt.scaled:
         return Int8Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.values_dtype,
-                         group_size, fmt.zero_points, name=name)
+                         group_size, fmt.zero_points, act_order, name=name)
     if fmt.bf16:
         return Bf16Dense(features, use_bias, dtype, num_layers, cpu_kernel, fmt.packed, name=name)
     return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
@@ -393,7 +403,7 @@ def embed(
 
 
 def _is_quantized_leaf(node: dict[str, Any], key: str) -> bool:
-    return ("qweight" in node or "packed" in node) and key in ("qweight", "scale", "zero_scale", "packed")
+    return ("qweight" in node or "packed" in node) and key in ("qweight", "scale", "zero_scale", "perm", "packed")
 
 
 def _is_mixed_mlp(mlp: Any) -> bool:
@@ -403,7 +413,7 @@ def _is_mixed_mlp(mlp: Any) -> bool:
 
 def model_variables(params: dict[str, Any]) -> dict[str, Any]:
     """The stored tree `{"params": ...}` as the model's variables for `apply`: the layer
-    scan's quantized `qweight` / `scale` / `zero_scale` move to the INT8_LAYERS collection, and a feed-forward of
+    scan's quantized scaled leaves move to the INT8_LAYERS collection, and a feed-forward of
     two kinds of layers to MLP_STACKS (same paths)."""
     layers = params["params"].get("layers")
     if not isinstance(layers, dict):

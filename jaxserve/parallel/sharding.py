@@ -91,6 +91,7 @@ def _quantized_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[
             *lead, inp, outp = ax
             for leaf in ("qweight", "scale", "zero_scale"):
                 out[(*path[:-1], leaf)] = (*lead, outp, inp)
+            out[(*path[:-1], "perm")] = (*lead, None)  # act order: one device per stage only
         elif path == ("embed_tokens", "embedding"):
             out[("embed_tokens", "qweight")] = out[("embed_tokens", "scale")] = ax
         # Packed bf16 (the CPU, one device per stage): oneDNN's opaque [..., S] blocks, whole.

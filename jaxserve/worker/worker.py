@@ -115,6 +115,7 @@ class Worker:
             dtype=self.dtype, attention_backend=self.attention_backend,
             attention_interpret=config.attention_interpret, weight_format=self.weight_format,
             weight_group_size=r.weight_group_size if self.weight_format.from_checkpoint else GROUP_SIZE,
+            weight_act_order=r.weight_act_order,
             kv_cache_dtype=r.kv_cache_dtype,
             expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
         self.runner: ModelRunner | None = None

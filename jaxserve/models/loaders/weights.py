@@ -199,7 +199,7 @@ def build_params(
 
         def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
             leaves = stored.read(raw_get, module, shape, source).as_leaves(
-                weight_format.values_dtype, weight_format.zero_points)
+                weight_format.values_dtype, weight_format.zero_points, stored.desc_act)
             if "zero_scale" in leaves:  # a float leaf: the model's dtype
                 leaves["zero_scale"] = leaves["zero_scale"].astype(dtype)
             return leaves

@@ -189,13 +189,14 @@ def test_llama3_8b_with_tensor_parallelism_fits_v5e_2x2(llama3_8b: str) -> None:
 # download, from config.json alone: the stored width counts (embedding and LM head bf16, as
 # stored) and the forward compiles with the scaled-weight kernels (kernels_pallas/int8_matmul).
 QUANTIZED_8B = {"fp8": ("llama-fp8-dynamic", None), "w4a16": ("llama-w4a16", 128),
-                "awq": ("llama-awq", 128)}
+                "awq": ("llama-awq", 128), "gptq-actorder": ("llama-gptq-actorder", 128)}
 
 
 @pytest.mark.parametrize("scheme,target,bits", [
     ("fp8", "v5e:1x1", 8), ("w4a16", "v5e:1x1", 4), ("fp8", "v6e:1x1", 8), ("fp8", "tpu7x:1x1", 8),
     ("w4a16", "h100", 8),  # the GPU kernel has no 4-bit loads: int4 values served as int8
-    ("awq", "v5e:1x1", 4)])  # zero points: int4 values and a zero_scale leaf
+    ("awq", "v5e:1x1", 4),  # zero points: int4 values and a zero_scale leaf
+    ("gptq-actorder", "v5e:1x1", 4)])  # zero points and inputs permuted into their groups
 def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bits: int,
                                                     llama3_8b: str, tmp_path) -> None:
     import shutil
@@ -218,7 +219,7 @@ def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bi
     assert max(p.temp_bytes for p in report.programs) < 64 << 20
     projections = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336)
     stored = projections * bits // 8 + 2 * 128256 * 4096 * 2
-    if scheme == "awq":  # its fp16 scales and 4-bit zero points, per group of 128
+    if scheme in ("awq", "gptq-actorder"):  # fp16 scales and 4-bit zero points per group of 128
         stored += projections * (2 + 0.5) // 128
     assert stored <= report.memory.weight_bytes <= 1.05 * stored
     if target == "v5e:1x1":  # the bf16 checkpoint does not fit (the test above)

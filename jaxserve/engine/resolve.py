@@ -173,18 +173,17 @@ def resolve_checkpoint_format(
 ) -> tuple[tuple[WeightFormat, int | None, bool] | None, str] | None:
     """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: ((the format
     that keeps its stored width, its inputs per scale, whether its inputs are permuted into
-    their groups: GPTQ's desc_act), why), or (None, why) where its
-    weights are dequantized at load into the format `--quantization` and the platform pick.
-    None for a float checkpoint.
+    their groups: GPTQ's desc_act), why), or (None, why) where its weights are dequantized at
+    load into the format `--quantization` and the platform pick. None for a float checkpoint.
 
     fp8 stays 8-bit on GPU and TPU (kernels_pallas/int8_matmul widens it inside the matmul);
-    the CPU has no fp8 matmul, so it is dequantized at load there. int4 stays 4-bit on the TPU
-    (with zero points, AWQ's, as an int8 `zero` leaf; not for experts, whose kernel has none);
-    elsewhere (the GPU kernel has no 4-bit loads) int values are served as int8, which holds
-    them (and q - zero for int4) exactly; but on a
-    CPU whose default is bf16 weights (`cpu_bf16`: resolve_quantization chose them) they are
-    dequantized into those, its faster path (docs/benchmarks.md, "Checkpoints stored
-    quantized"; --no-cpu-auto-bf16 keeps them exact as int8)."""
+    the CPU has no fp8 matmul, so it is dequantized at load there. int4 stays 4-bit on TPU and
+    GPU (GPU: without tensor parallelism; with zero points, AWQ's, as a `zero_scale` leaf; not
+    for experts, whose matmul has none); elsewhere int values are served as int8, which holds
+    them (and q - zero for int4) exactly; but on a CPU whose default is bf16 weights
+    (`cpu_bf16`: resolve_quantization chose them) they are dequantized into those, its faster
+    path (docs/benchmarks.md, "Checkpoints stored quantized"; --no-cpu-auto-bf16 keeps them
+    exact as int8)."""
     if files.format is not ModelFormat.HF:
         return None
     cq = checkpoint_quant.from_hf_config(read_hf_config(files.path), files.path)
@@ -212,7 +211,8 @@ def resolve_checkpoint_format(
     if platform == "cpu" and cpu_bf16:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load into them: faster "
                       "than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, exact)")
-    int4 = cq.num_bits == 4 and platform == "tpu"
+    # The GPU's int4 is its kernel's (one device per stage); XLA's GPU path widens s4 stacks.
+    int4 = cq.num_bits == 4 and (platform == "tpu" or platform == "gpu" and tp == 1)
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
            if int4 and cq.symmetric else WeightFormat.CHECKPOINT_INT4_ZP
            if int4 and not arch.num_experts else WeightFormat.CHECKPOINT_INT8)

@@ -248,6 +248,15 @@ def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[s
             "sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
         types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                  for i in range(n)]
+    kinds = ("sliding_attention", "full_attention")
+    if (not isinstance(types, (list, tuple)) or len(types) != cfg["num_hidden_layers"]
+            or any(t not in kinds for t in types)):
+        raise ValueError(f"{arch}: config.json layer_types must list {cfg['num_hidden_layers']} "
+                         f"layers (num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ValueError(f"{arch}: config.json layer_types has sliding_attention layers but "
+                         f"sliding_window is {window!r} (a positive number of tokens expected)")
     local_theta = None
     if version == 3:
         rp = cfg.get("rope_parameters")

@@ -33,12 +33,8 @@ from jaxserve.models.gemma import GemmaDecoderLayer
 from jaxserve.models.layers import RMSNorm, SwiGLU
 from jaxserve.models.moe import MixedMLP, MoE
 from jaxserve.models.rope import needs_seq_lens, rope_cos_sin, token_seq_lens
-from jaxserve.models.quantization import (
-    INT8_LAYERS,
-    MLP_STACKS,
-    dense as make_dense,
-    embed as make_embed,
-)
+from jaxserve.models.quantization import dense as make_dense, embed as make_embed
+from jaxserve.models.variables import INT8_LAYERS, MLP_STACKS
 
 
 class DecoderLayer(nn.Module):

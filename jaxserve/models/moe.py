@@ -29,14 +29,8 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention import ModelOptions
-from jaxserve.models.quantization import (
-    GROUP_SIZE,
-    INT8_LAYERS,
-    MLP_STACKS,
-    dequantize_int8,
-    int8_matmul_rows,
-    num_groups,
-)
+from jaxserve.models.quantization import GROUP_SIZE, dequantize_int8, int8_matmul_rows, num_groups
+from jaxserve.models.variables import INT8_LAYERS, MLP_STACKS
 
 # An expert stack: float [E, in, out], or int8 (qweight [E, out, in], scale [E, out, groups]).
 Experts = jax.Array | tuple[jax.Array, jax.Array]

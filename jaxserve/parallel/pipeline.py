@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
-from jaxserve.models.quantization import param_tree
+from jaxserve.models.variables import param_tree
 from jaxserve.parallel.sharding import param_shardings, weight_placements
 
 

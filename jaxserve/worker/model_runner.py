@@ -38,7 +38,7 @@ from tqdm import tqdm
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
-from jaxserve.models.quantization import model_variables
+from jaxserve.models.variables import model_variables
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict

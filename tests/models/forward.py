@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
-from jaxserve.models.quantization import model_variables
+from jaxserve.models.variables import model_variables
 
 
 def prompt_logits(model: LlamaForCausalLM, params, token_ids: list[int], page_size: int = 16) -> np.ndarray:

@@ -14,8 +14,8 @@ from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
 from jaxserve.models.quantization import (
-    INT8_LAYERS, dequantize_int8, model_variables, pack_params, param_bytes, param_tree, quantize_int8,
-    quantize_params)
+    dequantize_int8, pack_params, param_bytes, quantize_int8, quantize_params)
+from jaxserve.models.variables import INT8_LAYERS, model_variables, param_tree
 from jaxserve.parallel.sharding import param_shardings
 from tests.models.forward import prompt_logits
 from tests.models.tiny import save_tiny_hf

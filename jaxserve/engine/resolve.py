@@ -211,8 +211,10 @@ def resolve_checkpoint_format(
     if platform == "cpu" and cpu_bf16:
         return None, (f"the checkpoint's {cq.name} weights dequantized at load into them: faster "
                       "than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, exact)")
-    # The GPU's int4 is its kernel's (one device per stage); XLA's GPU path widens s4 stacks.
-    int4 = cq.num_bits == 4 and (platform == "tpu" or platform == "gpu" and tp == 1)
+    # The GPU's int4 is its kernel's (one device per stage, no experts); XLA's GPU path widens
+    # s4 stacks (the experts' ragged_dot included).
+    int4 = cq.num_bits == 4 and (platform == "tpu" or platform == "gpu" and tp == 1
+                                 and not arch.num_experts)
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
            if int4 and cq.symmetric else WeightFormat.CHECKPOINT_INT4_ZP
            if int4 and not arch.num_experts else WeightFormat.CHECKPOINT_INT8)

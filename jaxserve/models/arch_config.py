@@ -254,7 +254,8 @@ def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[s
         raise ValueError(f"{arch}: config.json layer_types must list {cfg['num_hidden_layers']} "
                          f"layers (num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
     window = cfg.get("sliding_window")
-    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+    if "sliding_attention" in types and not (isinstance(window, (int, float))
+                                            and not isinstance(window, bool) and window > 0):
         raise ValueError(f"{arch}: config.json layer_types has sliding_attention layers but "
                          f"sliding_window is {window!r} (a positive number of tokens expected)")
     local_theta = None

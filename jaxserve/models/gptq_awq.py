@@ -36,11 +36,13 @@ def from_gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
     bits = qc.get("bits")
     if bits not in (4, 8):
         raise CheckpointQuantError(f"{where}.bits: {bits!r}; jaxserve reads 4- and 8-bit GPTQ")
-    fmt = qc.get("checkpoint_format") or "gptq"
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"  # GPTQModel's newer name
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointQuantError(f"{where}.checkpoint_format: {fmt!r}; jaxserve reads "
                                    "'gptq' and 'gptq_v2' (Marlin, BitBLAS and other repacked "
                                    "layouts are not read)")
+    # v1 stores zero - 1 in `bits` bits: a zero of 0 wraps to 2^bits - 1, read back as 0 here
+    # (AutoGPTQ's kernels read it as 2^bits; such checkpoints are the v1 format's known flaw).
     if qc.get("dynamic"):
         raise CheckpointQuantError(f"{where}.dynamic: per-module overrides are not supported")
     group, strategy = _group(qc.get("group_size"), f"{where}.group_size")
@@ -125,7 +127,8 @@ def read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int
         q = np.ascontiguousarray(unpack_awq(tensor("qweight", np.int32, (n_in, out // 8))).T)
         z = unpack_awq(tensor("qzeros", np.int32, (groups, out // 8)))
     scales = get(f"{module}.scales")
-    if scales is None or scales.dtype.kind != "f" or tuple(scales.shape) != (groups, out):
+    if (scales is None or not (scales.dtype.kind == "f" or scales.dtype.name == "bfloat16")
+            or tuple(scales.shape) != (groups, out)):
         got = "missing" if scales is None else f"{scales.dtype} {tuple(scales.shape)}"
         raise CheckpointQuantError(f"{source}: tensor '{module}.scales' is {got}, expected "
                                    f"float {(groups, out)} for {cq.name}")

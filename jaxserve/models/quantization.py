@@ -279,8 +279,8 @@ class Int8Dense(nn.Module):
             zs = _layer_weight(self, "zero_scale", jnp.zeros, groups, self.dtype)
             if zs.ndim == 3:
                 zs = jax.lax.dynamic_index_in_dim(zs, layer, keepdims=False)
-            sums = x.reshape(*x.shape[:-1], groups[1], n_in // groups[1]).sum(-1)
-            y = y - sums @ zs.T
+            sums = x.reshape(*x.shape[:-1], groups[1], n_in // groups[1]).sum(-1, dtype=jnp.float32)
+            y = (y - jnp.dot(sums, zs.T, preferred_element_type=jnp.float32)).astype(x.dtype)
         return _add_bias(self, y)
 
 

@@ -196,6 +196,8 @@ def build_params(
     if weight_format.from_checkpoint:
         if stored is None:
             raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
+        if stored.desc_act and cfg.num_experts:  # the experts' stacks have no `perm`
+            raise ValueError(f"{source}: {stored.name} with desc_act experts are read dequantized only")
 
         def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
             leaves = stored.read(raw_get, module, shape, source).as_leaves(

@@ -231,7 +231,7 @@ def test_bad_checkpoints_are_start_up_errors_naming_the_tensor_and_field(tmp_pat
     assert "quantization_config.version: 'gemv'; jaxserve reads AWQ's GEMM layout" in load(sym)
     from jaxserve.models.checkpoint_quant import from_hf_config  # GPTQModel's newer `format`
     for qc, offset in (({"format": "gptq_v2"}, 0), ({"checkpoint_format": "gptq"}, 1), ({}, 1)):
-        cq = from_hf_config({"quantization_config": {"quant_method": "gptq", "bits": 4, **qc}}, "d")
+        cq = from_hf_config({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, **qc}}, "d")
         assert cq.zero_offset == offset, qc
     bits3 = _copy("llama-gptq", tmp_path / "gptq-bits")
     _edit_config(bits3, lambda qc: qc.update(bits=3))

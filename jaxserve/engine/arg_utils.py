@@ -21,7 +21,6 @@ from jaxserve.config import (
     CPU_PACKED_WEIGHTS_ENV,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
-    QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -32,6 +31,7 @@ from jaxserve.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from jaxserve.weight_format import QUANTIZATION_METHODS
 
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 

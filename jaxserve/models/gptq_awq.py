@@ -51,7 +51,8 @@ def from_gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
     return CheckpointQuant(
         "gptq", "gptq", "int", bits, strategy, group, symmetric=bool(qc.get("sym", True)),
         targets=targets, ignore=() if qc.get("lm_head") else ("lm_head",),
-        desc_act=bool(qc.get("desc_act")), zero_offset=1 if fmt == "gptq" else 0)
+        # One group per channel: the inputs' order cannot matter, so nothing is permuted.
+        desc_act=bool(qc.get("desc_act")) and group is not None, zero_offset=1 if fmt == "gptq" else 0)
 
 
 def from_awq(qc: dict[str, Any], where: str) -> CheckpointQuant:

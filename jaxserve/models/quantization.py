@@ -275,7 +275,7 @@ class Int8Dense(nn.Module):
         y = int8_matmul_rows(x, qweight, scale, layer, self.cpu_kernel)
         if self.zero_points:  # x @ ((q - z) s).T = x @ (q s).T - (x summed per group) @ (z s).T
             # A leaf of its own, not zero and scale: read beside the kernel's scale operand, XLA
-            # relaid the whole scale stack at every layer (2x the step's bytes, docs/benchmarks.md).
+            # relaid the whole scale stack at every layer (docs/benchmarks.md, "GPTQ and AWQ").
             zs = _layer_weight(self, "zero_scale", jnp.zeros, groups, self.dtype)
             if zs.ndim == 3:
                 zs = jax.lax.dynamic_index_in_dim(zs, layer, keepdims=False)

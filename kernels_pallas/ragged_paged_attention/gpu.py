@@ -219,9 +219,10 @@ def ragged_paged_attention(
     check: bool = True,
 ) -> jax.Array:
     """Same contract as the reference. Tuning: `block_q` query tokens per program and
-    `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8 for head_dim > 128: Gemma's 256 spilled
-    registers at 4 warps and 64 keys on H200) / `num_stages` for Triton (`check_tuning` says which compile; `check=False`
-    skips it, to ask the compiler itself). head_dim and page_size must be powers of two."""
+    `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8
+    for head_dim > 128: Gemma's 256 spilled registers at 4 warps and 64 keys on H200) /
+    `num_stages` for Triton (`check_tuning` says which compile; `check=False` skips it, to ask
+    the compiler itself). head_dim and page_size must be powers of two."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_slots, _ = kv_pages.shape
     num_kv_heads = num_kv_slots // 2

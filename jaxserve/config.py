@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from jaxserve.classifier import ClassifierConfig
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.weight_format import WeightFormat, check_quantization
 
@@ -60,6 +61,9 @@ class ModelConfig:
     # whether bf16 weights are packed at load into oneDNN's layout there.
     cpu_auto_bf16: bool = True
     cpu_packed_weights: bool = True
+    # vLLM's --hf-overrides: keys laid over config.json (a JSON object's text, so the config
+    # stays hashable), e.g. to serve Qwen3-Reranker as a classifier (jaxserve/classifier.py).
+    hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -313,9 +317,13 @@ class PoolerConfig:
             d = {**d, "pooling_type": d["pooling_type"].upper()}
         return cls(**d)
 
-    def pooling_params(self, normalize: bool | None = None) -> PoolingParams:
-        """A request's PoolingParams: this pooling, normalized unless it says otherwise."""
-        return PoolingParams(self.pooling_type, self.normalize if normalize is None else normalize)
+    def pooling_params(self, normalize: bool | None = None, task: str = "embed") -> PoolingParams:
+        """A request's PoolingParams for `task`: embed pools as this config says; every task
+        applies its activation (for embeddings, this config's `normalize`) unless the request
+        says otherwise."""
+        default = self.normalize if task in ("embed", "token_embed") else True
+        return PoolingParams(self.pooling_type if task == "embed" else "LAST",
+                             default if normalize is None else normalize, task)
 
 
 class KVCacheDtype(enum.Enum):
@@ -353,6 +361,8 @@ class ResolvedConfig:
     kv_cache_dtype: KVCacheDtype  # --kv-cache-dtype (auto: the model's dtype; bf16 for a CPU's bf16 weights)
     weight_group_size: int | None = None  # a checkpoint format's inputs per scale (None: per channel)
     weight_act_order: bool = False  # GPTQ's desc_act: inputs permuted into their groups (`perm`)
+    # A sequence classifier's head (None: a generative model), jaxserve/classifier.py.
+    classifier: ClassifierConfig | None = None
 
 
 @dataclass(frozen=True)

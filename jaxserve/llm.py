@@ -52,7 +52,7 @@ class LLM:
         # The checks shared with the API server (jaxserve/engine/processor.py).
         self.processor = self.front_end.processor(
             self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
-            self.config.pooler_config)
+            self.config.pooler_config, classifier=self.config.resolved.classifier)
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:
@@ -126,6 +126,37 @@ class LLM:
         ids = [self._add_request(p, POOLING_SAMPLING_PARAMS, 0, pooling_params) for p in prompts]
         return self._run(ids, use_tqdm)
 
+    def classify(self, prompts: PromptType | Sequence[PromptType], *,
+                 use_activation: bool = True, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """A sequence classifier's class probabilities per prompt (vLLM's `LLM.classify`;
+        `outputs.probs`, or logits with use_activation false), in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = self.processor.pooling_params(use_activation, task="classify")
+        ids = [self._add_request(p, POOLING_SAMPLING_PARAMS, 0, params) for p in prompts]
+        return self._run(ids, use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """A cross-encoder's score of each pair (vLLM's `LLM.score`; `outputs.score`): one
+        text against each of `data_2`, or pairs in order. The pair is tokenized as the
+        server's /score does (jaxserve/classifier.py)."""
+        one = [data_1] if isinstance(data_1, str) else list(data_1)
+        two = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(one) == 1:
+            one = one * len(two)
+        if len(one) != len(two) or not two:
+            raise ValueError(f"data_1 has {len(one)} texts and data_2 {len(two)}: give one "
+                             "data_1, or as many as data_2")
+        head = self.config.resolved.classifier
+        params = self.processor.pooling_params(task="score")  # refuses a model without a head
+        assert head is not None and self.tokenizer is not None
+        pairs = [self.tokenizer(a, text_pair=b) if head.use_sep_token else self.tokenizer(a + b)
+                 for a, b in zip(one, two)]
+        ids = [self._add_request({"prompt_token_ids": p.input_ids}, POOLING_SAMPLING_PARAMS, 0,
+                                 params) for p in pairs]
+        return self._run(ids, use_tqdm)
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
@@ -154,6 +185,7 @@ class LLM:
         if pooling_params is not None:
             self.processor.check_pooling_prompt(token_ids)
         else:
+            self.processor.check_generates()
             self.processor.check_prompt(token_ids, None)  # offline, max_tokens caps at the context
         params = self.processor.check_params(params)
         request_id = str(next(self._counter))

@@ -102,9 +102,20 @@ class RequestOutput:
 
 @dataclass
 class EmbeddingOutput:
-    """An embedding request's vector (vLLM's `EmbeddingOutput`)."""
+    """A pooling request's result (vLLM's `EmbeddingOutput`): a vector; for classify and
+    score a classifier's probabilities (or score); for token_embed a vector per prompt token."""
 
-    embedding: list[float]
+    embedding: list[float] | list[list[float]]
+
+    @property
+    def probs(self) -> list[float]:
+        """A classify request's class probabilities (vLLM's `ClassificationOutput.probs`)."""
+        return self.embedding  # type: ignore[return-value]
+
+    @property
+    def score(self) -> float:
+        """A score request's score (vLLM's `ScoringOutput.score`)."""
+        return float(self.embedding[0])  # type: ignore[arg-type]
 
 
 @dataclass

@@ -183,7 +183,7 @@ def validate(args: argparse.Namespace) -> tuple[list[Target], Any, ModelFiles, A
             setattr(args, name, os.path.dirname(os.path.abspath(path)))
     targets = [parse_target(t) for t in args.target]
     config = engine_config_from_args(args)
-    files = resolve_model(config.model_config.model)
+    files = resolve_model(config.model_config.model, config.model_config.hf_overrides)
     from jaxserve.models.loaders import read_arch  # HF: config.json only, no JAX
 
     return targets, config, files, read_arch(files)

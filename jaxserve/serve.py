@@ -87,9 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        files = resolve_model(config.model_config.model)  # a missing model is a usage error, before any process starts
+        # A missing model is a usage error, before any process starts; so is a checkpoint
+        # stored quantized in a format jaxserve does not read (refused by name).
+        mc = config.model_config
+        files = resolve_model(mc.model, mc.hf_overrides)
         if files.format == ModelFormat.HF:
-            read_hf_config(files.path)  # so is a checkpoint stored quantized (refused by name)
+            read_hf_config(files.path, files.hf_overrides)
         dist = config.parallel_config.distributed()
         num_processes, process_id = dist.num_processes, dist.process_id
     except (ValueError, FileNotFoundError) as e:

@@ -53,11 +53,11 @@ from jaxserve.api_server.messages_protocol import (
     anthropic_error_response,
 )
 from jaxserve.api_server.responses_protocol import ResponsesRequest
-from jaxserve.api_server.embedding_protocol import EmbeddingRequest
+from jaxserve.api_server.embedding_protocol import EmbeddingRequest, PoolingRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
 from jaxserve.api_server.serving_messages import AnthropicServingMessages
-from jaxserve.api_server.serving_score import ServingScores, classify_refusal
+from jaxserve.api_server.serving_score import ServingScores
 from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
@@ -162,7 +162,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
         return await run_until_disconnected(raw, embedding.create_embedding(body))
 
     @app.post("/pooling")
-    async def create_pooling(body: EmbeddingRequest, raw: Request) -> Response:
+    async def create_pooling(body: PoolingRequest, raw: Request) -> Response:
         return await run_until_disconnected(raw, embedding.create_embedding(body, pooling=True))
 
     scores = ServingScores(embedding)
@@ -171,9 +171,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.add_api_route(path, scores.rerank, methods=["POST"], response_model=None)
 
-    @app.post("/classify")
-    async def classify() -> Response:
-        raise classify_refusal()
+    app.add_api_route("/classify", scores.classify, methods=["POST"], response_model=None)
 
     # SageMaker's route (vLLM serves it): the body's shape picks the endpoint.
     invocation_routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[Response]]]] = [

@@ -1,4 +1,5 @@
-"""Bodies of POST /v1/embeddings (OpenAI's, with vLLM's extra fields) and vLLM's /pooling."""
+"""Bodies of POST /v1/embeddings (OpenAI's, with vLLM's extra fields), vLLM's /pooling and
+/classify."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ from jaxserve.api_server.protocol import (
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(OpenAIRequest):
-    """OpenAI's embeddings request; vLLM's extras: chat `messages` instead of `input` (the
-    chat template applied: one vector), `use_activation` / `normalize` (None: --pooler-config's),
-    `embed_dtype` and `endianness` (base64's bytes), `truncate_prompt_tokens` /
-    `truncation_side` (as in completions), `add_special_tokens`, `priority`."""
+class PoolingInputRequest(OpenAIRequest):
+    """What every pooling request (embeddings, /pooling, /classify) takes as its prompts:
+    `input`, or chat `messages` (the chat template applied: one prompt); `use_activation`
+    (None: the task's default), `truncate_prompt_tokens` / `truncation_side` (as in
+    completions), `add_special_tokens`, `priority`."""
 
     model: Text | None = None
     # Non-empty in the schema too, so schema-driven clients (and fuzzers) know it.
@@ -44,17 +45,34 @@ class EmbeddingRequest(OpenAIRequest):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
-    endianness: Literal["native", "big", "little"] = "native"
-    dimensions: Annotated[WholeInt, Field(ge=1)] | None = None
     user: Text | None = None
-    use_activation: bool | None = None  # vLLM's newer name for normalize
-    normalize: bool | None = None
+    use_activation: bool | None = None
     truncate_prompt_tokens: Annotated[WholeInt, Field(ge=-1, le=INT32_MAX)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool = True
     priority: Int64 = 0
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """OpenAI's embeddings request; vLLM's extras: `normalize` (the older name of
+    use_activation; None: --pooler-config's), `embed_dtype` and `endianness` (base64's bytes)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    dimensions: Annotated[WholeInt, Field(ge=1)] | None = None
+    normalize: bool | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: an embeddings request with the pooling `task` (None: classify for a
+    classifier, embed for any other model; token_embed: a vector per prompt token)."""
+
+    task: Literal["embed", "classify", "token_embed"] | None = None
+
+
+class ClassificationRequest(PoolingInputRequest):
+    """vLLM's /classify: each input's class probabilities (use_activation false: logits)."""
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
@@ -75,7 +93,7 @@ class EmbeddingResponse(OpenAIBaseModel):
 class PoolingResponseData(OpenAIBaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(OpenAIBaseModel):
@@ -86,4 +104,20 @@ class PoolingResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None  # the most probable class's name (config.json's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
     usage: UsageInfo

@@ -228,6 +228,14 @@ class ServingContext:
         if model and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
+    def check_generating_model(self, model: str | None) -> None:
+        """`check_model`, for an endpoint that generates (a classifier cannot)."""
+        self.check_model(model)
+        try:
+            self.processor.check_generates()
+        except InvalidInputError as e:
+            raise OpenAIError(str(e)) from None
+
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """Validate the prompt's length against max_model_len; returns max_tokens
         (None: as many as fit, as vLLM does for chat)."""

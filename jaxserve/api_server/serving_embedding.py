@@ -1,4 +1,5 @@
-"""POST /v1/embeddings and vLLM's /pooling: one vector per input, from the served model.
+"""POST /v1/embeddings and vLLM's /pooling: one vector per input (or per input token, or a
+classifier's probabilities), from the served model.
 
 Each input is an engine request of its own (a pooling request: jaxserve/pooling_params.py),
 run by the same engine and batch as generation, its prompt pooled as --pooler-config says.
@@ -20,6 +21,8 @@ from jaxserve.api_server.embedding_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
+    PoolingInputRequest,
+    PoolingRequest,
     PoolingResponse,
     PoolingResponseData,
 )
@@ -33,10 +36,12 @@ from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, InvalidInputError
 from jaxserve.outputs import EmbeddingRequestOutput
 
 
-def encode_vector(vector: list[float], encoding_format: str, embed_dtype: str = "float32",
-                  endianness: str = "native") -> list[float] | str:
+def encode_vector(vector: list[float] | list[list[float]], encoding_format: str,
+                  embed_dtype: str = "float32", endianness: str = "native"
+                  ) -> list[float] | list[list[float]] | str:
     """The vector as JSON floats, or base64 of its bytes as `embed_dtype` in `endianness`
-    (vLLM's; the default, native float32, is what the openai SDK decodes with numpy)."""
+    (vLLM's; the default, native float32, is what the openai SDK decodes with numpy); a
+    token_embed's vectors are encoded row after row."""
     if encoding_format != "base64":
         return vector
     import ml_dtypes  # bfloat16 and float8: numpy has neither
@@ -44,7 +49,7 @@ def encode_vector(vector: list[float], encoding_format: str, embed_dtype: str = 
     dtype = np.dtype({"float32": np.float32, "float16": np.float16,
                       "bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
                       "fp8_e5m2": ml_dtypes.float8_e5m2}[embed_dtype])
-    values = np.asarray(vector, np.float32).astype(dtype)
+    values = np.asarray(vector, np.float32).ravel().astype(dtype)
     if dtype.itemsize > 1 and endianness not in ("native", sys.byteorder):
         # Swapped as unsigned ints: ml_dtypes' types have no byte order of their own.
         values = values.view(f"u{dtype.itemsize}").byteswap()
@@ -55,16 +60,19 @@ class OpenAIServingEmbedding:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def create_embedding(self, request: EmbeddingRequest, pooling: bool = False) -> Response:
+    async def create_embedding(self, request: EmbeddingRequest | PoolingRequest,
+                               pooling: bool = False) -> Response:
         """Validate, embed every input, answer in input order (`pooling`: vLLM's /pooling
-        shape); raises OpenAIError for a bad request."""
+        shape and its `task`); raises OpenAIError for a bad request."""
         ctx = self.ctx
         received = time.time()
         ctx.check_model(request.model)
-        inputs = await self._inputs(request)
+        task = getattr(request, "task", None) or (
+            "classify" if pooling and ctx.processor.classifier is not None else "embed")
+        inputs = await self.inputs(request)
         request_id = f"{'pool' if pooling else 'embd'}-{random_uuid()}"
         vectors = await self.embed(request_id, inputs, received, self._normalize(request),
-                                   request.dimensions, request.priority)
+                                   request.dimensions, request.priority, task=task)
         num_tokens = sum(len(ids) for ids in inputs)
         usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
         fmt = request.encoding_format
@@ -84,12 +92,13 @@ class OpenAIServingEmbedding:
 
     async def embed(self, request_id: str, inputs: list[list[int]], received: float,
                     normalize: bool | None = None, dimensions: int | None = None,
-                    priority: int = 0, param: str = "input") -> list[list[float]]:
-        """The vectors of `inputs` (token ids), each its own engine request, in order."""
+                    priority: int = 0, param: str = "input", task: str = "embed") -> list[Any]:
+        """The results of `task` for `inputs` (token ids), each its own engine request, in
+        order: vectors (embed), probabilities (classify, score) or vectors per token."""
         ctx = self.ctx
         spans = [("tokenize", received, time.time())]
         try:
-            params = ctx.processor.pooling_params(normalize, dimensions)
+            params = ctx.processor.pooling_params(normalize, dimensions, task)
             for ids in inputs:
                 ctx.processor.check_pooling_prompt(ids)
         except InvalidInputError as e:
@@ -109,21 +118,22 @@ class OpenAIServingEmbedding:
         return [self._vector(r) for r in final]
 
     @staticmethod
-    def _vector(res: EmbeddingRequestOutput | None) -> list[float]:
+    def _vector(res: EmbeddingRequestOutput | None) -> list[Any]:
         if res is None or res.outputs is None:
             raise OpenAIError("the engine ended the request without its embedding",
                               HTTPStatus.INTERNAL_SERVER_ERROR)
         return res.outputs.embedding
 
     @staticmethod
-    def _normalize(request: EmbeddingRequest) -> bool | None:
-        given = {v for v in (request.use_activation, request.normalize) if v is not None}
+    def _normalize(request: PoolingInputRequest) -> bool | None:
+        given = {v for v in (request.use_activation, getattr(request, "normalize", None))
+                 if v is not None}
         if len(given) > 1:
             raise OpenAIError("use_activation and normalize are one setting (use_activation is "
                               "vLLM's newer name): they disagree", param="use_activation")
         return given.pop() if given else None
 
-    async def _inputs(self, request: EmbeddingRequest) -> list[list[int]]:
+    async def inputs(self, request: PoolingInputRequest) -> list[list[int]]:
         """Each input's token ids (texts tokenized off the event loop), truncated as asked;
         chat `messages` are one input, the template applied."""
         if (request.input is None) == (request.messages is None):

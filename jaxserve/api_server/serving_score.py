@@ -1,13 +1,16 @@
-"""vLLM's /score and /rerank (Jina's and Cohere's shapes) for the served model as an embedding
-model: a pair's score is the cosine similarity of its two texts' embeddings, as vLLM scores
-with an embedding model. Cross-encoders (`*ForSequenceClassification`, Qwen3-Reranker) are not
-served, so /classify answers vLLM's refusal.
+"""vLLM's /score, /rerank (Jina's and Cohere's shapes) and /classify.
+
+A sequence classifier (jaxserve/classifier.py) is a cross-encoder: each pair is one prompt,
+tokenized as vLLM does (`tokenizer(a, text_pair=b)`, or the text a + b for an LLM made a
+reranker), and its score is the classifier's one-label output. Any other model scores as an
+embedding model: a pair's score is the cosine similarity of its two texts' embeddings. /classify
+needs a classifier: each input's class probabilities and its most probable label.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field
@@ -22,6 +25,11 @@ from jaxserve.api_server.protocol import (
     UsageInfo,
     WholeInt,
     random_uuid,
+)
+from jaxserve.api_server.embedding_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
 )
 from jaxserve.api_server.serving import OpenAIError
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
@@ -80,6 +88,27 @@ class ServingScores:
         self.embedding = embedding
         self.ctx = embedding.ctx
 
+    async def _scores(self, request_id: str, pairs: list[tuple[str, str]],
+                      truncate: int | None, priority: int) -> tuple[list[float], int]:
+        """Each pair's score, and the tokens it took: by the cross-encoder if the model is a
+        classifier, else by cosines of embeddings."""
+        head = self.ctx.processor.classifier
+        if head is None:
+            return await self._cosines(request_id, pairs, truncate, priority)
+        received = time.time()
+        keeping = truncate is not None
+        ids = []
+        for a, b in pairs:
+            if head.use_sep_token:
+                self.ctx.check_text_size(b, "text_2")
+                pair = await self.ctx.tokenize(a, "text_1", truncating=keeping, text_pair=b)
+            else:
+                pair = await self.ctx.tokenize(a + b, "text_1", truncating=keeping)
+            ids.append(self.ctx.truncate(pair, truncate, None, room=1))
+        outs = await self.embedding.embed(request_id, ids, received, priority=priority,
+                                          param="text_1", task="score")
+        return [float(o[0]) for o in outs], sum(len(i) for i in ids)
+
     async def _cosines(self, request_id: str, pairs: list[tuple[str, str]],
                        truncate: int | None, priority: int) -> tuple[list[float], int]:
         """Each pair's cosine similarity, and the tokens embedded (each distinct text once)."""
@@ -104,8 +133,8 @@ class ServingScores:
             raise OpenAIError(f"text_1 has {len(one)} texts and text_2 {len(two)}: give one "
                               "text_1, or as many as text_2", param="text_1")
         request_id = f"score-{random_uuid()}"
-        scores, tokens = await self._cosines(request_id, list(zip(one, two)),
-                                             request.truncate_prompt_tokens, request.priority)
+        scores, tokens = await self._scores(request_id, list(zip(one, two)),
+                                            request.truncate_prompt_tokens, request.priority)
         return ScoreResponse(id=request_id, model=self.ctx.model_name,
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
@@ -114,7 +143,7 @@ class ServingScores:
         """The documents by relevance to the query, the most relevant first (top_n of them)."""
         self.ctx.check_model(request.model)
         request_id = f"rerank-{random_uuid()}"
-        scores, tokens = await self._cosines(
+        scores, tokens = await self._scores(
             request_id, [(request.query, d) for d in request.documents],
             request.truncate_prompt_tokens, request.priority)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n]
@@ -124,7 +153,19 @@ class ServingScores:
                                                     relevance_score=scores[i]) for i in order])
 
 
-def classify_refusal(_: Any = None) -> OpenAIError:
-    return OpenAIError("The model does not support Classification API: it has no "
-                       "classification head (jaxserve serves no *ForSequenceClassification "
-                       "checkpoint yet; /score and /rerank score with embeddings)")
+    async def classify(self, request: ClassificationRequest) -> ClassificationResponse:
+        """Each input's class probabilities (logits with use_activation false) and label."""
+        self.ctx.check_model(request.model)
+        received = time.time()
+        inputs = await self.embedding.inputs(request)
+        request_id = f"classify-{random_uuid()}"
+        outs = await self.embedding.embed(request_id, inputs, received, request.use_activation,
+                                          priority=request.priority, task="classify")
+        head = self.ctx.processor.classifier
+        assert head is not None  # embed refused the task otherwise
+        tokens = sum(len(i) for i in inputs)
+        return ClassificationResponse(
+            id=request_id, model=self.ctx.model_name,
+            data=[ClassificationData(index=i, label=head.labels[int(np.argmax(p))], probs=p,
+                                     num_classes=len(p)) for i, p in enumerate(outs)],
+            usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))

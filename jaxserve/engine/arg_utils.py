@@ -120,6 +120,11 @@ class EngineArgs:
     skip_tokenizer_init: bool = field(default=ModelConfig.skip_tokenizer_init, metadata=cli_arg(
         "model", "load no tokenizer (a checkpoint without one): prompts are token ids, outputs "
         "token ids only", action="store_true"))
+    hf_overrides: dict | None = field(default=None, metadata=cli_arg(
+        "model", "keys laid over the checkpoint's config.json, e.g. Qwen3-Reranker as a "
+        "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'",
+        type=json_object, metavar="JSON"))
     seed: int = field(default=ModelConfig.seed, metadata=cli_arg(
         "model", "engine seed (requests without a seed derive theirs from it)", type=int))
     cpu_auto_bf16: bool | None = field(default=None, metadata=cli_arg(
@@ -254,6 +259,7 @@ class EngineArgs:
                 seed=self.seed, served_model_name=served, tokenizer=self.tokenizer,
                 quantization=self.quantization, load_format=self.load_format,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                hf_overrides=json.dumps(self.hf_overrides) if self.hf_overrides else None,
                 cpu_auto_bf16=_flag_or_env(self.cpu_auto_bf16, CPU_AUTO_BF16_ENV),
                 cpu_packed_weights=_flag_or_env(self.cpu_packed_weights, CPU_PACKED_WEIGHTS_ENV)),
             cache_config=CacheConfig(

@@ -36,7 +36,7 @@ class BuiltEngine:
 def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     """Resolve, load, size, allocate and compile: every process of a multi-host engine does
     this. Returns the worker, the resolved config and the number of KV pages."""
-    files = resolve_model(config.model_config.model)
+    files = resolve_model(config.model_config.model, config.model_config.hf_overrides)
     config = resolve_engine_config(config, files)
     worker = Worker(config, files)
     worker.load_model()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.classifier import ClassifierConfig
 from jaxserve.config import ModelConfig, PoolerConfig
 from jaxserve.engine.processor import Processor
 from jaxserve.models.model_files import (
@@ -36,13 +37,14 @@ class FrontEnd:
         return None if eos is None else int(eos)
 
     def processor(self, max_model_len: int, vocab_size: int, pooler_config: PoolerConfig,
-                  max_logprobs: int = MAX_LOGPROBS) -> Processor:
+                  max_logprobs: int = MAX_LOGPROBS,
+                  classifier: ClassifierConfig | None = None) -> Processor:
         """The request checks against the engine's limits (once the engine reports them)."""
         tokenizer = self.tokenizer
         encode = None if tokenizer is None else (
             lambda text: tokenizer.encode(text, add_special_tokens=False))
         return Processor(max_model_len, vocab_size, self.model_eos_token_ids, max_logprobs,
-                         encode=encode, pooler_config=pooler_config)
+                         encode=encode, pooler_config=pooler_config, classifier=classifier)
 
 
 def load_front_end(model_config: ModelConfig, generation_config: str = "auto",
@@ -50,7 +52,7 @@ def load_front_end(model_config: ModelConfig, generation_config: str = "auto",
     """Read the model's files, tokenizer (`model_config.tokenizer` if given) and defaults.
     `generation_config`: "auto" (the model's generation_config.json), "vllm" (none) or a
     folder holding one; `chat_template`: a template's text replacing the tokenizer's."""
-    files = resolve_model(model_config.model)
+    files = resolve_model(model_config.model, model_config.hf_overrides)
     tokenizer = (None if model_config.skip_tokenizer_init
                  else load_tokenizer(model_config.tokenizer or files))
     if chat_template is not None and tokenizer is not None:

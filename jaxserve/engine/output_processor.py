@@ -58,7 +58,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pooling: PoolingParams | None = None  # an embedding request
-    embedding: list[float] | None = None
+    embedding: list[float] | list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.classifier import ClassifierConfig
 from jaxserve.config import PoolerConfig
 from jaxserve.engine_core.sched_utils import EMPTY_PROMPT, prompt_too_long
 from jaxserve.engine_core.structured_output import grammar_text
@@ -44,6 +45,8 @@ class Processor:
     # The served tokenizer's text -> ids without special tokens (bad_words are tokenized here).
     encode: Callable[[str], list[int]] | None = field(default=None, compare=False)
     pooler_config: PoolerConfig = PoolerConfig()  # --pooler-config: embedding requests
+    # A sequence classifier (jaxserve/classifier.py) serves classify and score, nothing else.
+    classifier: ClassifierConfig | None = None
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
         """The prompt against max_model_len and the vocabulary; returns max_tokens (None: as
@@ -73,18 +76,38 @@ class Processor:
                                     f"most {limit - 1} (max_model_len {limit} - 1)", "input")
         self.check_prompt(token_ids, 1)
 
-    def pooling_params(self, normalize: bool | None = None,
-                       dimensions: int | None = None) -> PoolingParams:
-        """An embedding request's PoolingParams under --pooler-config (`normalize` None: the
+    def pooling_params(self, normalize: bool | None = None, dimensions: int | None = None,
+                       task: str = "embed") -> PoolingParams:
+        """A pooling request's PoolingParams under --pooler-config (`normalize` None: the
         server's default). `dimensions` is refused, as vLLM refuses it for a model that is
-        not a Matryoshka one: cutting the vector would change what it means."""
+        not a Matryoshka one: cutting the vector would change what it means. A task the
+        model cannot serve is refused in vLLM's words."""
         if dimensions is not None:
             raise InvalidInputError("dimensions is not supported: the served model does not "
                                     "support Matryoshka representations", "dimensions")
+        self.check_task(task)
         try:  # PoolingParams' own checks (normalize a bool)
-            return self.pooler_config.pooling_params(normalize)
+            return self.pooler_config.pooling_params(normalize, task)
         except ValueError as e:
             raise InvalidInputError(str(e), "normalize") from None
+
+    def check_task(self, task: str) -> None:
+        """A classifier serves classify and score (score with one label, as vLLM); any
+        other model embed and token_embed."""
+        head = self.classifier
+        what = {"classify": "Classification API", "score": "Score API",
+                "embed": "Embeddings API"}.get(task, f"the {task} task")
+        if task in ("classify", "score") and head is None:
+            raise InvalidInputError(
+                f"The model does not support {what}: it has no classification head "
+                "(a *ForSequenceClassification checkpoint, or --hf-overrides' "
+                "classifier_from_token, has one)")
+        if task == "score" and head is not None and head.num_labels != 1:
+            raise InvalidInputError("Score API is only enabled for num_labels == 1 (this "
+                                    f"classifier has {head.num_labels} labels)")
+        if task in ("embed", "token_embed") and head is not None:
+            raise InvalidInputError(f"The model does not support {what}: it is a sequence "
+                                    "classifier (classify and score)")
 
     def check_grammar(self, kind: str, spec: str, param: str) -> tuple[str, str]:
         """(kind, spec) once its grammar compiles; refused naming `param` if it does not
@@ -98,7 +121,15 @@ class Processor:
     def make_params(self, **kwargs: Any) -> SamplingParams:
         """SamplingParams checked against the model (vocabulary, --max-logprobs), with the
         model's EOS ids as stop tokens."""
+        self.check_generates()
         return self.check_params(self._build(kwargs))
+
+    def check_generates(self) -> None:
+        """A sequence classifier generates nothing (it has no LM head)."""
+        if self.classifier is not None:
+            raise InvalidInputError(
+                "The model does not support generation: it is a sequence classifier (serve it "
+                "with /classify, /score, /rerank or /pooling)")
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """`params` checked against the model, with the model's EOS ids added."""

@@ -19,8 +19,9 @@ import jax
 
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
-from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ParallelConfig, ResolvedConfig,
-                             WeightFormat)
+from jaxserve.classifier import ClassifierConfig, is_classifier_architecture
+from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ModelConfig, ParallelConfig,
+                             ResolvedConfig, WeightFormat)
 from jaxserve.models import ArchConfig, checkpoint_quant
 from jaxserve.models.loaders.weights import projection_shapes
 from jaxserve.models.loaders import read_arch
@@ -33,6 +34,24 @@ from jaxserve.parallel.sharding import head_layout
 from jaxserve.platforms import select_jax_platforms
 
 
+def resolve_classifier(files: ModelFiles, arch: ArchConfig, mc: ModelConfig) -> ClassifierConfig | None:
+    """A sequence classifier's head from its config.json (and --hf-overrides); None for a
+    generative model. Tokens named by `classifier_from_token` are looked up in the tokenizer."""
+    if not is_classifier_architecture(arch.architecture):
+        return None
+    cfg = read_hf_config(files.path, files.hf_overrides)
+    token_ids = None
+    if cfg.get("classifier_from_token") is not None:
+        from jaxserve.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(mc.tokenizer or files)
+        token_ids = tokenizer.convert_tokens_to_ids
+    try:
+        return ClassifierConfig.from_hf_config(cfg, token_ids)
+    except ValueError as e:
+        raise ValueError(f"{files.path}: {e}") from None
+
+
 def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
                           devices: list[jax.Device] | None = None) -> EngineConfig:
     """`config` with its `resolved` record, and max_model_len decided in the model and
@@ -41,7 +60,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     ValueError names the flag for a setting these devices or this checkpoint refuse."""
     if config.resolved is not None:
         return config
-    files = files or resolve_model(config.model_config.model)
+    files = files or resolve_model(config.model_config.model, config.model_config.hf_overrides)
     mc, pc = config.model_config, config.parallel_config
     if devices is None:
         select_jax_platforms()  # no accelerator attached: JAX starts only its CPU backend
@@ -71,7 +90,8 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         max_model_len=max_model_len,
         kv_cache_dtype=KVCacheDtype.resolve(config.cache_config.cache_dtype,
                                             auto_kv_cache_dtype(dtype, weight_format, platform)),
-        weight_group_size=group_size, weight_act_order=act_order)
+        weight_group_size=group_size, weight_act_order=act_order,
+        classifier=resolve_classifier(files, arch, mc))
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),
@@ -186,7 +206,7 @@ def resolve_checkpoint_format(
     exact as int8)."""
     if files.format is not ModelFormat.HF:
         return None
-    cq = checkpoint_quant.from_hf_config(read_hf_config(files.path), files.path)
+    cq = checkpoint_quant.from_hf_config(read_hf_config(files.path, files.hf_overrides), files.path)
     if cq is None:
         return None
     if quantization is not None:

@@ -76,8 +76,9 @@ class EngineCoreOutput:
     # each entry points into the message's table of steps (see _encode_trace).
     trace_steps: list[StepEntry] | None = wire_field(
         _encode_trace, _decode_trace, default=None)
-    # An embedding request's vector, with its finish (it has no new tokens).
-    pooling_output: list[float] | None = None
+    # A pooling request's result, with its finish (it has no new tokens): a vector, a
+    # classifier's probabilities, or (token_embed) one vector per prompt token.
+    pooling_output: list[float] | list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:

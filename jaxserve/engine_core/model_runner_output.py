@@ -47,8 +47,8 @@ class ModelRunnerOutput:
     # req_id -> (prompt position of the first row, rows): row j is the logprob of prompt
     # token first + j + 1 given the tokens before it, then the top-N (prompt_logprobs).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
-    # req_id -> the vector of an embedding request whose prompt this step finished.
-    pooler_output: dict[str, list[float]] | None = None
+    # req_id -> the result of a pooling request whose prompt this step finished (worker/pooler.py).
+    pooler_output: dict[str, list[float] | list[list[float]]] | None = None
     # For traces: the sampler's device seconds (estimated per bucket at warm-up; 0 unknown),
     # and programs compiled while this step was dispatched (0 once everything is warm).
     sample_s: float = 0.0

@@ -190,6 +190,7 @@ class ArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ArchConfig":
         """Build from a parsed `config.json` (validates the architecture name)."""
+        from jaxserve.classifier import is_classifier_architecture
         from jaxserve.models.architectures import ARCHITECTURES, resolve_architecture
 
         arch = resolve_architecture(cfg.get("architectures"))
@@ -223,7 +224,10 @@ class ArchConfig:
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # A classifier has no lm_head: the decoder's generation head (never sampled from)
+            # reads the embedding, and its score head is loaded apart (jaxserve/classifier.py).
+            tie_word_embeddings=(bool(cfg.get("tie_word_embeddings", False))
+                                 or is_classifier_architecture(arch)),
             attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
             qk_norm=spec.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),

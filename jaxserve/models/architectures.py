@@ -38,6 +38,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(sliding_window=True, experts="mixtral"),
     "Qwen3MoeForCausalLM": Architecture(qk_norm=True, experts="qwen3_moe"),
 }
+# Each family's sequence classifier (transformers' *ForSequenceClassification): the same
+# decoder, its `score` head in place of the lm_head (jaxserve/classifier.py).
+ARCHITECTURES.update({
+    name.replace("ForCausalLM", "ForSequenceClassification"): spec
+    for name, spec in list(ARCHITECTURES.items())})
+ARCHITECTURES["Gemma3TextForSequenceClassification"] = ARCHITECTURES.pop(
+    "Gemma3ForSequenceClassification")  # transformers' Gemma3ForSequenceClassification is multimodal
 
 
 def supported_architectures() -> list[str]:

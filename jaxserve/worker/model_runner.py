@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve.classifier import ClassifierConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
@@ -82,6 +83,8 @@ class ModelRunner:
         abstract: bool = False,
         logprobs_branch: bool = False,
         radix_bits: int = 1,
+        score_head: np.ndarray | None = None,
+        classifier: ClassifierConfig | None = None,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
@@ -93,7 +96,8 @@ class ModelRunner:
         vocabulary, by a data-dependent branch on the device: for the CPU only (on GPU/TPU
         such a branch can synchronise with the host; scripts/export_step.py refuses it).
         `radix_bits`: bits of top-k / top-p's threshold found per pass over the vocabulary
-        (sampler.largest_threshold: fewer passes, 2^bits - 1 compares each)."""
+        (sampler.largest_threshold: fewer passes, 2^bits - 1 compares each).
+        `score_head`, `classifier`: a sequence classifier's head (worker/pooler.py)."""
         self.stages = stages
         self.logprobs_branch = logprobs_branch
         self.radix_bits = radix_bits
@@ -129,7 +133,7 @@ class ModelRunner:
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
         self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
-        self.pooler = Pooler(S)  # embedding requests (worker/pooler.py)
+        self.pooler = Pooler(S, score_head, classifier)  # pooling requests (worker/pooler.py)
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self.sample_program = jax.jit(
@@ -313,7 +317,8 @@ class ModelRunner:
             prompt_out = (self.prompt_logprobs_program(self.params, every_token, targets), rows)
         if step.pool is not None:
             segments, pool_rows = step.pool
-            pool_out = (self.pool_program(every_token, segments, self.max_num_seqs), pool_rows)
+            pool_out = (self.pool_program(every_token, segments, self.max_num_seqs), pool_rows,
+                        every_token if Pooler.wants_rows(pool_rows) else None)
         return hidden, prompt_out, pool_out
 
     def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
@@ -377,8 +382,9 @@ class ModelRunner:
         if handle.prompt_out is not None:
             result.prompt_logprobs = prompt_logprobs_output(*handle.prompt_out)
         if handle.pool_out is not None:
-            sums, rows = handle.pool_out
-            result.pooler_output = self.pooler.finish(host_array(sums), rows)
+            sums, rows, every_token = handle.pool_out
+            result.pooler_output = self.pooler.finish(
+                host_array(sums), rows, None if every_token is None else host_array(every_token))
         f = handle.facts
         result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
         return result

@@ -84,7 +84,8 @@ class StepHandle:
     out: SamplerOutput | None = None
     num_logprobs: np.ndarray | None = None  # each request's top-logprobs count (-1: none)
     prompt_out: tuple[Any, list[PromptLogprobRows]] | None = None
-    pool_out: tuple[Any, list[Any]] | None = None  # pool_sums' output and the PoolingRows
+    # pool_sums' output, the PoolingRows, and the every-token states when token_embed reads them
+    pool_out: tuple[Any, list[Any], Any] | None = None
     facts: StepFacts = field(default_factory=StepFacts)
     # Each request's first sampled position, when the batch keeps sampled tokens (n-gram drafts).
     first_positions: np.ndarray | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
@@ -28,6 +29,7 @@ from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models import ArchConfig
 from jaxserve.models.attention import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
+from jaxserve.models.loaders.hf import load_score_head
 from jaxserve.models.quantization import GROUP_SIZE, pack_params, param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.parallel.distributed import initialize_distributed
@@ -99,7 +101,8 @@ class Worker:
                              "jaxserve.engine.resolve.resolve_engine_config(config, ...)")
         enable_compilation_cache()
         self.config = config
-        self.model_files = model_files or resolve_model(config.model_config.model)
+        self.model_files = model_files or resolve_model(config.model_config.model,
+                                                            config.model_config.hf_overrides)
         # Before anything touches a device: join the other hosts, if any (the resolution
         # stage did for the process's own devices; this is a no-op then).
         self.distributed = initialize_distributed(config.parallel_config)
@@ -122,6 +125,7 @@ class Worker:
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
         self.sizing_programs: list[CompiledProgram] = []
+        self.score_head: np.ndarray | None = None  # a classifier's head, on the host
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -129,6 +133,9 @@ class Worker:
             self.load_abstract_model()
             self.stages = [dataclasses.replace(st, params=random_weights(st.params, i))
                            for i, st in enumerate(self.stages)]
+            if (head := self.config.resolved.classifier) is not None:
+                self.score_head = np.random.default_rng(0).normal(
+                    0, 0.02, (head.num_labels, self.arch.hidden_size)).astype(np.float32)
             self.timings["load_s"] = time.perf_counter() - t0
             return
         tp = self.config.parallel_config.tensor_parallel_size
@@ -141,6 +148,8 @@ class Worker:
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.weight_matmul = weight_matmul_path(self.weight_format, self.platform, tp)
+        if (head := self.config.resolved.classifier) is not None:
+            self.score_head = load_score_head(self.model_files.path, head, self.arch.hidden_size)
         self.timings["load_s"] = time.perf_counter() - t0
 
     def load_abstract_model(self) -> None:
@@ -271,6 +280,7 @@ class Worker:
             logprobs_branch=self.platform == "cpu",
             radix_bits=(SAMPLER_RADIX_BITS_CPU if self.platform == "cpu"
                         else SAMPLER_RADIX_BITS_DEVICE),
+            score_head=self.score_head, classifier=self.config.resolved.classifier,
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -119,7 +119,21 @@ def test_score_and_rerank_are_cosines_of_embeddings(server: RemoteServer) -> Non
         bad = post(path, body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     refused = post("/classify", {"input": "x"})
-    assert refused.status_code == 400 and "Classification" in refused.json()["error"]["message"]
+    assert refused.status_code == 400, refused.text
+    assert "does not support Classification API" in refused.json()["error"]["message"]
+
+
+
+def test_pooling_token_embed_is_every_prompt_tokens_state(server: RemoteServer, reference) -> None:
+    """vLLM's /pooling task token_embed: one vector per prompt token, over chunked prefill (the
+    long text spans several 32-token steps); their mean is the MEAN embedding."""
+    body = {"input": TEXTS[1], "task": "token_embed", "use_activation": False}
+    r = httpx.post(server.url("/pooling"), json=body, timeout=60).json()
+    rows = np.asarray(r["data"][0]["data"])
+    assert rows.shape == (r["usage"]["prompt_tokens"], 576)
+    close(rows.mean(0), reference[1])
+    unit = httpx.post(server.url("/pooling"), json={**body, "use_activation": True}).json()
+    np.testing.assert_allclose(np.linalg.norm(unit["data"][0]["data"], axis=-1), 1.0, atol=1e-5)
 
 
 def test_embeddings_beside_chat_on_one_engine(server: RemoteServer, reference) -> None:

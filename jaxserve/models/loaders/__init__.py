@@ -30,7 +30,7 @@ def load_checkpoint(
     if files.format == ModelFormat.HF:
         from jaxserve.models.loaders.hf import load_hf_dir
 
-        return load_hf_dir(files.path, dtype, weight_format)
+        return load_hf_dir(files.path, dtype, weight_format, files.hf_overrides)
     from jaxserve.models.loaders.orbax_loader import read_orbax_arch, restore_orbax
     from jaxserve.models.quantization import quantize_params
 
@@ -47,7 +47,7 @@ def read_arch(model: str | ModelFiles | None) -> ArchConfig:
     if files.format == ModelFormat.HF:
         from jaxserve.models.loaders.hf import read_hf_config
 
-        return ArchConfig.from_hf_config(read_hf_config(files.path))
+        return ArchConfig.from_hf_config(read_hf_config(files.path, files.hf_overrides))
     from jaxserve.models.loaders.orbax_loader import read_orbax_arch
 
     return read_orbax_arch(files.path)

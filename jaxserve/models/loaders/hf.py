@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jaxserve.classifier import ClassifierConfig
 from jaxserve.config import WeightFormat
 from jaxserve.models import checkpoint_quant
 from jaxserve.models.arch_config import ArchConfig
@@ -44,11 +45,12 @@ def _read_float8(path: str, name: str) -> np.ndarray | None:
 
 
 def load_hf_dir(
-    model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
+    model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT,
+    hf_overrides: str | None = None,
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Return the architecture and the param tree of a safetensors checkpoint. A checkpoint
     stored quantized (models/checkpoint_quant.py) is read by its format's formula."""
-    config = read_hf_config(model_dir)
+    config = read_hf_config(model_dir, hf_overrides)
     arch = ArchConfig.from_hf_config(config)
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
@@ -84,3 +86,33 @@ def load_hf_dir(
             shapes = {k: v for k, v in shapes.items() if k == "lm_head.weight"}
         get = checkpoint_quant.dequantizing_get(get, cq, shapes, model_dir)
     return arch, build_params(arch, get, dtype, model_dir, weight_format, cq)
+
+
+def load_score_head(model_dir: str, classifier: ClassifierConfig, hidden_size: int) -> np.ndarray:
+    """A classifier's head, float32 [num_labels, hidden_size]: `score.weight`, or for a causal
+    LM converted by `classifier_from_token` the lm_head's rows of those tokens (the embedding's
+    if the head is tied): "from_2_way_softmax" gives one row, true's minus false's."""
+    names = ("lm_head.weight", "model.embed_tokens.weight") if classifier.from_token_ids \
+        else ("score.weight",)
+    where: dict[str, str] = {}
+    for file in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, file), framework="numpy") as h:
+            where.update((n, os.path.join(model_dir, file)) for n in names if n in h.keys())
+    name = next((n for n in names if n in where), None)
+    if name is not None:
+        path = where[name]
+        with safe_open(path, framework="numpy") as h:
+            shape = tuple(h.get_slice(name).get_shape())
+            if len(shape) != 2 or shape[1] != hidden_size or (
+                    not classifier.from_token_ids and shape[0] != classifier.num_labels):
+                want = "(vocab, " if classifier.from_token_ids else f"({classifier.num_labels}, "
+                raise WeightLoadError(f"{path}: {name} is {shape}, expected {want}{hidden_size})")
+            if not classifier.from_token_ids:
+                return np.asarray(h.get_tensor(name), np.float32)
+            if max(classifier.from_token_ids) >= shape[0]:
+                raise WeightLoadError(f"{path}: classifier_from_token's ids "
+                                      f"{list(classifier.from_token_ids)} exceed {name}'s {shape[0]} rows")
+            rows = np.stack([np.asarray(h.get_slice(name)[i:i + 1], np.float32)[0]
+                             for i in classifier.from_token_ids])
+            return rows[1:2] - rows[0:1] if classifier.method == "from_2_way_softmax" else rows
+    raise WeightLoadError(f"{model_dir}: no {' or '.join(names)} tensor for the classifier's head")

@@ -198,7 +198,10 @@ class Attention(nn.Module):
 
         kinds = cfg.local_layers
         if kinds is None:
-            out, kv_cache = attention(None)(rope(q, False), rope(k, False), v, kv_cache,
+            # Layers of one kind: sliding ones (a Gemma 3 with no full layer, or a pipeline
+            # stage of only sliding layers) take the sliding layers' rope.
+            local = bool(cfg.layer_types) and all(t == "sliding_attention" for t in cfg.layer_types)
+            out, kv_cache = attention(None)(rope(q, local), rope(k, local), v, kv_cache,
                                             layer_idx, md)
         else:
             # Layers of both kinds in one scan. The cache is written outside the branch (a

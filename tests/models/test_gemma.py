@@ -51,6 +51,17 @@ def test_gemma_logits_match_transformers(kind: str, tmp_path) -> None:
     assert np.abs(prompt_logits(full, params, PROMPTS[-1]) - ref).max() > 1e-2
 
 
+def test_gemma3_with_every_layer_sliding_takes_the_sliding_rope(tmp_path) -> None:
+    """Layers of one kind, all sliding (a Gemma 3 without full layers, or a pipeline stage of
+    only sliding ones): each takes the sliding layers' rope base, not the full layers'."""
+    model_dir = save_tiny_hf("gemma3", str(tmp_path), initializer_range=0.2, num_hidden_layers=2,
+                             sliding_window=WINDOW, layer_types=["sliding_attention"] * 2)
+    arch, params = load_checkpoint(model_dir, np.float32)
+    assert arch.local_layers is None and arch.local_rope_theta != arch.rope_theta
+    ours, ref = prompt_logits(LlamaForCausalLM(arch), params, PROMPTS[0]), hf_logits(model_dir, PROMPTS[0])
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     import torch
     import transformers

@@ -17,7 +17,8 @@ from tests.models.tiny import save_tiny_hf
 
 from .server_utils import RemoteServer
 
-TINY_ARGS = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+# float32 weights everywhere (a CPU with bf16 units would otherwise get bf16 ones).
+TINY_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
              "--block-size", "8", "--kv-cache-memory-bytes", str(8 << 20)]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
@@ -42,19 +43,28 @@ def save_char_tokenizer(model_dir: str) -> None:
                             pad_token="<pad>", unk_token="<unk>").save_pretrained(model_dir)
 
 
-def tiny_classifier(out_dir: str) -> str:
-    """A random LlamaForSequenceClassification with three named labels (score.weight, no lm_head)."""
+def tiny_classifier(kind: str, out_dir: str) -> str:
+    """A random `kind` *ForSequenceClassification with three named labels (score.weight, no
+    lm_head), norms perturbed as tests/models/tiny.py does."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
-                                   pad_token_id=0)
-    model = transformers.LlamaForSequenceClassification(cfg)
-    path = os.path.join(out_dir, "llama-cls")
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, pad_token_id=0)
+    config, model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3TextForSequenceClassification),
+    }[kind]
+    extra = {"head_dim": 16} if kind == "gemma3" else {}
+    model = model(config(**common, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    path = os.path.join(out_dir, f"{kind}-cls")
     model.save_pretrained(path, safe_serialization=True)
     save_char_tokenizer(path)
     return path
@@ -71,11 +81,12 @@ def hf_last_logits(model_dir: str, ids: list[int], causal: bool) -> np.ndarray:
     return (out[0, -1] if causal else out[0]).numpy().astype(np.float64)
 
 
-def test_llm_classify_equals_transformers(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def test_llm_classify_equals_transformers(kind, tmp_path) -> None:
     from jaxserve import LLM
 
-    path = tiny_classifier(str(tmp_path))
-    llm = LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+    path = tiny_classifier(kind, str(tmp_path))
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
               kv_cache_memory_bytes=8 << 20, enforce_eager=True)
     outs = llm.classify(TEXTS, use_tqdm=False)
     logits = llm.classify(TEXTS[0], use_activation=False, use_tqdm=False)[0].outputs.probs

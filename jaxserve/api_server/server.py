@@ -85,7 +85,8 @@ async def run_server(args: ServerArgs, config: EngineConfig,
         )
         metrics.record_cache_config(ready.block_size, ready.num_blocks,
                                     str(ready.resolved.kv_cache_dtype.value),
-                                    config.cache_config.enable_prefix_caching)
+                                    config.cache_config.enable_prefix_caching,
+                                    config.parallel_config.data_parallel_size)
         ctx = ServingContext(client=client, tokenizer=tokenizer, served_model_names=names,
                              processor=front.processor(ready.max_model_len, ready.vocab_size,
                                                        config.pooler_config, args.max_logprobs,

@@ -243,10 +243,12 @@ class EngineClient:
             self._queues[request_id] = queue
             for cid, _ in children:
                 self._children[cid] = request_id
-                self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids))
+                self._req_stats[cid] = RequestStateStats(arrival_time, len(prompt_token_ids),
+                                                         engine=self.engine_index)
             self._input.send(frame, zmq.NOBLOCK)
             if self.metrics is not None and pooling_params is None:
-                self.metrics.record_request_params(len(children), params.max_tokens)
+                self.metrics.record_request_params(len(children), params.max_tokens,
+                                                   self.engine_index)
             if trace is not None:
                 trace.add("engine_core", "sent", time.time(), engine=self.engine_index)
         except BaseException:
@@ -322,7 +324,7 @@ class EngineClient:
                 s = self._req_stats.get(out.req_id)
                 if s is not None:
                     self.metrics.record_output(s, out, now)
-            self.metrics.end_iteration()
+            self.metrics.end_iteration(self.engine_index)
         results, to_abort = self.output_processor.process_outputs(outputs)
         for out in outputs:
             if out.finish_reason is not None:

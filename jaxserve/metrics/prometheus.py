@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names (`vllm:...`, its labels and buckets), so that vLLM's
 Grafana dashboard, the production-stack router and llm-d's scheduler read jaxserve unchanged;
-a metric vLLM lacks has a `jaxserve:` name.
+a metric vLLM lacks has a `jaxserve:` name. As in vLLM, every series carries `model_name` and
+`engine` (the data-parallel engine's index): one series per engine, which queries sum.
 
 Scheduler gauges and counters come from the engine process with each batch of
 outputs (`SchedulerStats`); per-request latencies are built here from each
@@ -61,6 +62,17 @@ class RequestStateStats:
     finished_ts: float = 0.0  # engine side
     last_token_time: float = 0.0  # API-server side
     num_generation_tokens: int = 0
+    engine: int = 0  # the data-parallel engine that runs it
+
+
+class _PerEngine:
+    """One metric family's series, one per engine: `m[engine]` is engine `engine`'s."""
+
+    def __init__(self, family: Any, model_name: str) -> None:
+        self.family, self.model_name = family, model_name
+
+    def __getitem__(self, engine: int) -> Any:
+        return self.family.labels(self.model_name, str(engine))
 
 
 class ServerMetrics:
@@ -69,7 +81,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         disable_created_metrics()  # no `*_created` series, as in vLLM
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+        r, labels = self.registry, ["model_name", "engine"]
         self._model_name = model_name
         self._engine_stats: dict[int, SchedulerStats] = {}  # latest, per data-parallel rank
         # Plain running totals beside the Prometheus counters, for the periodic log line and
@@ -83,14 +95,15 @@ class ServerMetrics:
         self._compiles: deque[tuple[float, int, float]] = deque(maxlen=1024)
         self._compile_totals: dict[int, tuple[int, float]] = {}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+        def gauge(name: str, doc: str) -> _PerEngine:
+            return _PerEngine(Gauge(PREFIX + name, doc, labels, registry=r), model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+        def counter(name: str, doc: str) -> _PerEngine:
+            return _PerEngine(Counter(PREFIX + name, doc, labels, registry=r), model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+        def histogram(name: str, doc: str, buckets: list[float]) -> _PerEngine:
+            return _PerEngine(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r),
+                              model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -107,12 +120,12 @@ class ServerMetrics:
             "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
-            ["model_name", "position"], registry=r)
+            ["model_name", "engine", "position"], registry=r)
         self._routed = Counter(OWN_PREFIX + "engine_requests_routed",
                                "Requests sent to each data-parallel engine.",
                                ["model_name", "engine"], registry=r)
         self._request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
-                                        ["model_name", "finished_reason"], registry=r)
+                                        ["model_name", "engine", "finished_reason"], registry=r)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram(
@@ -140,26 +153,26 @@ class ServerMetrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens request parameter.", _TOKEN_BUCKETS)
         self._cache_config = Gauge(PREFIX + "cache_config_info", "Information of the KV cache.",
-                                   ["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
-                                    "enable_prefix_caching"], registry=r)
-        self._iteration = 0  # tokens of the engine step being recorded
+                                   ["model_name", "engine", "block_size", "num_gpu_blocks",
+                                    "cache_dtype", "enable_prefix_caching"], registry=r)
+        self._iteration: dict[int, int] = {}  # tokens of each engine's step being recorded
 
     def record_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str,
-                            enable_prefix_caching: bool) -> None:
-        """vLLM's info gauge (1, the facts in its labels); `num_gpu_blocks` is vLLM's name for
-        the KV pages, whatever the device."""
-        self._cache_config.labels(self._model_name, str(block_size), str(num_blocks), cache_dtype,
-                                  str(enable_prefix_caching)).set(1)
+                            enable_prefix_caching: bool, num_engines: int = 1) -> None:
+        """vLLM's info gauge (1, the facts in its labels), per engine; `num_gpu_blocks` is
+        vLLM's name for the KV pages, whatever the device."""
+        for engine in range(num_engines):
+            self._cache_config.labels(self._model_name, str(engine), str(block_size),
+                                      str(num_blocks), cache_dtype, str(enable_prefix_caching)).set(1)
 
-    def record_request_params(self, n: int, max_tokens: int) -> None:
-        self.request_params_n.observe(n)
-        self.request_params_max_tokens.observe(max_tokens)
+    def record_request_params(self, n: int, max_tokens: int, engine: int = 0) -> None:
+        self.request_params_n[engine].observe(n)
+        self.request_params_max_tokens[engine].observe(max_tokens)
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, engine: int = 0) -> None:
         """One engine step's outputs have all been recorded."""
-        if self._iteration:
-            self.iteration_tokens.observe(self._iteration)
-            self._iteration = 0
+        if tokens := self._iteration.pop(engine, 0):
+            self.iteration_tokens[engine].observe(tokens)
 
     # --- from the engine --------------------------------------------------------------
 
@@ -167,27 +180,27 @@ class ServerMetrics:
         self._routed.labels(self._model_name, str(engine_index)).inc()
 
     def record_scheduler_stats(self, stats: SchedulerStats, engine_index: int = 0) -> None:
-        """Gauges sum (requests) or average (KV usage) over data-parallel engines."""
-        self._engine_stats[engine_index] = stats
-        latest = self._engine_stats.values()
-        self.num_requests_running.set(sum(s.num_running_reqs for s in latest))
-        self.num_requests_waiting.set(sum(s.num_waiting_reqs for s in latest))
-        self.kv_cache_usage_perc.set(sum(s.kv_cache_usage for s in latest) / len(self._engine_stats))
-        self.prefix_cache_queries.inc(stats.prefix_cache_stats.queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_stats.hits)
+        """One engine's gauges and counters (its series); the running totals sum engines."""
+        e = engine_index
+        self._engine_stats[e] = stats
+        self.num_requests_running[e].set(stats.num_running_reqs)
+        self.num_requests_waiting[e].set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc[e].set(stats.kv_cache_usage)
+        self.prefix_cache_queries[e].inc(stats.prefix_cache_stats.queries)
+        self.prefix_cache_hits[e].inc(stats.prefix_cache_stats.hits)
         self.totals["prefix_queries"] += stats.prefix_cache_stats.queries
         self.totals["prefix_hits"] += stats.prefix_cache_stats.hits
-        self.num_preemptions.inc(stats.num_preemptions)
+        self.num_preemptions[e].inc(stats.num_preemptions)
         spec = stats.spec_decoding_stats
         if spec is not None:
-            self.spec_decode_num_drafts.inc(spec.num_drafts)
-            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
-            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            self.spec_decode_num_drafts[e].inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens[e].inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens[e].inc(spec.num_accepted_tokens)
             self.totals["spec_drafts"] += spec.num_drafts
             self.totals["spec_draft_tokens"] += spec.num_draft_tokens
             self.totals["spec_accepted_tokens"] += spec.num_accepted_tokens
             for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
-                self._accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
+                self._accepted_per_pos.labels(self._model_name, str(e), str(pos)).inc(n)
         self.totals["preemptions"] += stats.num_preemptions
         steps = stats.step_stats or StepStats()
         n, secs = steps.num_compiles, steps.compile_s
@@ -207,45 +220,47 @@ class ServerMetrics:
                 s.first_token_ts = e.timestamp
             elif e.type == EngineCoreEventType.FINISHED:
                 s.finished_ts = e.timestamp
-        n = len(out.new_token_ids)
-        if out.pooling_output is not None:  # an embedding request: its prompt, no tokens
-            self.prompt_tokens.inc(s.num_prompt_tokens)
+        n, e = len(out.new_token_ids), s.engine
+        if out.pooling_output is not None:  # a pooling request: its prompt, no tokens
+            self.prompt_tokens[e].inc(s.num_prompt_tokens)
             self.totals["prompt_tokens"] += s.num_prompt_tokens
         if not n:
             return
-        self.generation_tokens.inc(n)
+        self.generation_tokens[e].inc(n)
         self.totals["generation_tokens"] += n
-        self._iteration += n + (0 if s.num_generation_tokens else s.num_prompt_tokens)
+        self._iteration[e] = self._iteration.get(e, 0) + n + (
+            0 if s.num_generation_tokens else s.num_prompt_tokens)
         self._token_times.append((now, n))
         if s.num_generation_tokens == 0:
-            self.prompt_tokens.inc(s.num_prompt_tokens)
+            self.prompt_tokens[e].inc(s.num_prompt_tokens)
             self.totals["prompt_tokens"] += s.num_prompt_tokens
-            self.time_to_first_token.observe(now - s.arrival_time)
+            self.time_to_first_token[e].observe(now - s.arrival_time)
         else:
-            self.inter_token_latency.observe(now - s.last_token_time)
+            self.inter_token_latency[e].observe(now - s.last_token_time)
         s.num_generation_tokens += n
         s.last_token_time = now
 
     def record_finished(self, s: RequestStateStats, finish_reason: str, now: float | None = None) -> None:
         """A request ended (`finish_reason` "stop", "length" or "abort")."""
-        self._request_success.labels(self._model_name, finish_reason).inc()
+        e = s.engine
+        self._request_success.labels(self._model_name, str(e), finish_reason).inc()
         if finish_reason == "abort" or not s.num_generation_tokens:
             return
         now = time.monotonic() if now is None else now
-        self.e2e_request_latency.observe(now - s.arrival_time)
+        self.e2e_request_latency[e].observe(now - s.arrival_time)
         if s.queued_ts and s.scheduled_ts:
-            self.request_queue_time.observe(max(s.scheduled_ts - s.queued_ts, 0.0))
+            self.request_queue_time[e].observe(max(s.scheduled_ts - s.queued_ts, 0.0))
         first_token = s.first_token_ts or s.last_token_time
         last_token = s.finished_ts or s.last_token_time
         if s.scheduled_ts:
-            self.request_prefill_time.observe(max(first_token - s.scheduled_ts, 0.0))
-            self.request_inference_time.observe(max(last_token - s.scheduled_ts, 0.0))
+            self.request_prefill_time[e].observe(max(first_token - s.scheduled_ts, 0.0))
+            self.request_inference_time[e].observe(max(last_token - s.scheduled_ts, 0.0))
         decode = max(last_token - first_token, 0.0)
-        self.request_decode_time.observe(decode)
+        self.request_decode_time[e].observe(decode)
         if s.num_generation_tokens > 1:
-            self.request_time_per_output_token.observe(decode / (s.num_generation_tokens - 1))
-        self.request_prompt_tokens.observe(s.num_prompt_tokens)
-        self.request_generation_tokens.observe(s.num_generation_tokens)
+            self.request_time_per_output_token[e].observe(decode / (s.num_generation_tokens - 1))
+        self.request_prompt_tokens[e].observe(s.num_prompt_tokens)
+        self.request_generation_tokens[e].observe(s.num_generation_tokens)
 
     def running_waiting_usage(self) -> tuple[int, int, float]:
         latest = self._engine_stats.values()

@@ -104,11 +104,13 @@ def test_stat_logger_line() -> None:
     assert line.endswith("SpecDecoding: Mean acceptance length: 3.00, Accepted: 4 tokens, "
                          "Drafted: 6 tokens, Draft acceptance rate: 66.7%"), line
     text = generate_latest(m.registry).decode()
-    for sample in ('vllm:spec_decode_num_drafts_total{model_name="m"} 2.0',
-                   'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 6.0',
-                   'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
-                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
-                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+    # vLLM's labels: the model and the engine's index on every series.
+    for sample in ('vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0',
+                   'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 6.0',
+                   'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 2.0',
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0',
+                   'vllm:num_requests_running{engine="0",model_name="m"} 1.0'):
         assert sample in text, sample
     # The stats survive the trip from the engine-core process (jaxserve/engine_core/wire.py).
     wire = msgpack.unpackb(msgpack.packb(encode_record(SchedulerStats(spec_decoding_stats=spec))))

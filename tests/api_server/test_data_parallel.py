@@ -44,7 +44,10 @@ def test_dp2_balances_and_matches_single_engine() -> None:
         routed = {m[0]: float(m[1]) for m in re.findall(
             r'jaxserve:engine_requests_routed_total\{engine="(\d)",model_name="[^"]+"\} (\S+)', metrics)}
         assert routed.get("0", 0) >= 2 and routed.get("1", 0) >= 2, routed
-        assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 0.0' in metrics
+        for engine in ("0", "1"):  # vLLM's per-engine series
+            assert (f'vllm:num_requests_running{{engine="{engine}",model_name="SmolLM2-135M-Instruct"}}'
+                    ' 0.0') in metrics
+            assert f'vllm:generation_tokens_total{{engine="{engine}"' in metrics
 
     llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
     ref = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)

@@ -1,0 +1,60 @@
+"""vLLM's own router (`vllm-router`, the production stack's) in front of two jaxserve servers:
+it finds them healthy, spreads requests over them, and serves their metrics under vLLM's names
+and labels (`model_name` and `engine` on every series), as it does for vLLM servers."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, free_port
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_two_servers_behind_vllm_router(tmp_path) -> None:
+    router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    # Both servers start at once (their loads and compiles overlap).
+    with RemoteServer(SMALL_ENGINE_ARGS, wait_healthy=False) as a, \
+            RemoteServer(SMALL_ENGINE_ARGS, wait_healthy=False) as b:
+        a._wait_until_healthy(240)
+        b._wait_until_healthy(240)
+        port = free_port()
+        log = open(tmp_path / "router.log", "w")
+        router = subprocess.Popen(
+            [router_bin, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+             a.base_url, b.base_url, "--policy", "round_robin"], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
+                time.sleep(0.25)
+            for i in range(4):
+                r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                    "model": MODEL, "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"Count to {i}."}]})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+            for server in (a, b):  # two each: round robin over both
+                text = httpx.get(server.url("/metrics")).text
+                assert (f'vllm:request_success_total{{engine="0",finished_reason="length",'
+                        f'model_name="{MODEL}"}} 2.0') in text
+            proxied = httpx.get(url + "/metrics", timeout=10).text
+            assert re.search(rf'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0',
+                             proxied), proxied[:2000]
+        finally:
+            router.terminate()
+            router.wait(10)

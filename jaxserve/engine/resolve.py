@@ -44,8 +44,8 @@ def resolve_classifier(files: ModelFiles, arch: ArchConfig, mc: ModelConfig) -> 
     if cfg.get("classifier_from_token") is not None:
         from jaxserve.models.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(mc.tokenizer or files)
-        token_ids = tokenizer.convert_tokens_to_ids
+        vocab = load_tokenizer(mc.tokenizer or files).get_vocab()
+        token_ids = vocab.get  # not convert_tokens_to_ids: it answers <unk>'s id for a stranger
     try:
         return ClassifierConfig.from_hf_config(cfg, token_ids)
     except ValueError as e:

@@ -64,3 +64,26 @@ def test_pooling_params_tasks() -> None:
         PoolingParams(task="rerank")
     with pytest.raises(ValueError, match="last token"):
         PoolingParams("MEAN", task="score")
+
+
+def test_resolve_reads_the_overrides_and_the_tokenizers_vocabulary(tmp_path) -> None:
+    """--hf-overrides reach config.json's reading; a token the vocabulary lacks is refused
+    (transformers would answer <unk>'s id for it)."""
+    import json
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine.resolve import resolve_classifier
+    from jaxserve.models.loaders import read_arch
+    from jaxserve.models.model_files import resolve_model
+    from tests.api_server.test_classifiers import RERANKER, save_char_tokenizer
+    from tests.models.tiny import save_tiny_hf
+
+    path = save_tiny_hf("qwen3", str(tmp_path))
+    save_char_tokenizer(path)
+    files = resolve_model(path, json.dumps(RERANKER))
+    head = resolve_classifier(files, read_arch(files), ModelConfig(model=path))
+    assert head is not None and head.from_token_ids == (4, 5)
+    assert resolve_classifier(resolve_model(path), read_arch(path), ModelConfig(model=path)) is None
+    bad = resolve_model(path, json.dumps({**RERANKER, "classifier_from_token": ["no", "maybe"]}))
+    with pytest.raises(ValueError, match="'maybe' is not a token"):
+        resolve_classifier(bad, read_arch(bad), ModelConfig(model=path))

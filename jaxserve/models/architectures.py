@@ -48,7 +48,12 @@ ARCHITECTURES["Gemma3TextForSequenceClassification"] = ARCHITECTURES.pop(
 
 
 def supported_architectures() -> list[str]:
-    return sorted(ARCHITECTURES)
+    """The generative architectures (each has its *ForSequenceClassification too)."""
+    return sorted(n for n in ARCHITECTURES if n.endswith("ForCausalLM"))
+
+
+def _supported() -> str:
+    return ", ".join(supported_architectures()) + " (and each one's *ForSequenceClassification)"
 
 
 def resolve_architecture(names: Sequence[str] | None) -> str:
@@ -59,12 +64,12 @@ def resolve_architecture(names: Sequence[str] | None) -> str:
     if not names:
         raise ValueError(
             "config.json has no 'architectures' entry; supported: "
-            + ", ".join(supported_architectures())
+            + _supported()
         )
     for name in names:
         if name in ARCHITECTURES:
             return name
     raise ValueError(
         f"architecture {', '.join(names)} is not supported; supported: "
-        + ", ".join(supported_architectures())
+        + _supported()
     )

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.architectures import supported_architectures
+from jaxserve.models.architectures import ARCHITECTURES, supported_architectures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,6 +20,9 @@ def test_readme_lists_the_registrys_architectures() -> None:
     section = text[text.index("## Models"):]
     listed = section[:section.index("Any other name")]
     assert sorted(re.findall(r"`(\w+ForCausalLM)`", listed)) == supported_architectures()
+    classifiers = {n for n in ARCHITECTURES if n.endswith("ForSequenceClassification")}
+    assert classifiers == {n.replace("ForCausalLM", "ForSequenceClassification").replace(
+        "Gemma3ForSeq", "Gemma3TextForSeq") for n in supported_architectures()}
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:

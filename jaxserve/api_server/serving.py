@@ -223,16 +223,14 @@ class ServingContext:
                 trace.add("api_server", name, start, end)
         return trace
 
-    def check_model(self, model: str | None) -> None:
-        """A missing or empty `model` is the served one, as in vLLM."""
+    def check_model(self, model: str | None, generates: bool = False) -> None:
+        """A missing or empty `model` is the served one, as in vLLM; an endpoint that
+        `generates` refuses a classifier."""
         if model and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
-
-    def check_generating_model(self, model: str | None) -> None:
-        """`check_model`, for an endpoint that generates (a classifier cannot)."""
-        self.check_model(model)
         try:
-            self.processor.check_generates()
+            if generates:
+                self.processor.check_generates()
         except InvalidInputError as e:
             raise OpenAIError(str(e)) from None
 

@@ -80,7 +80,7 @@ class OpenAIServingChat:
         prompt tokens, which plain chat reports under --enable-prompt-tokens-details)."""
         ctx = self.ctx
         received = time.time()
-        ctx.check_generating_model(request.model)
+        ctx.check_model(request.model, generates=True)
         try:
             mode = resolve_tool_mode(request, ctx.tool_call_parser, ctx.enable_auto_tool_choice)
         except ToolChoiceError as e:

@@ -49,7 +49,7 @@ class OpenAIServingCompletion:
         """Validate, then generate; raises OpenAIError for a bad request."""
         ctx = self.ctx
         received = time.time()
-        ctx.check_generating_model(request.model)
+        ctx.check_model(request.model, generates=True)
         if request.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if request.return_tokens_as_token_ids and request.logprobs is None:

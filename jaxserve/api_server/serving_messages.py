@@ -56,7 +56,7 @@ class AnthropicServingMessages:
     async def create_message(self, request: MessagesRequest) -> Response:
         """Translate, run the chat path, translate back; raises OpenAIError for a bad request
         (sent in Anthropic's envelope by the app)."""
-        self.ctx.check_generating_model(request.model)
+        self.ctx.check_model(request.model, generates=True)
         chat = translate(request)
         reply = await self.chat.create_chat_completion(chat, fit_max_tokens=True,
                                                        prompt_details=True)

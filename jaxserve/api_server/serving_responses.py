@@ -96,7 +96,7 @@ class OpenAIServingResponses:
 
     async def create_response(self, request: ResponsesRequest) -> Response:
         """Translate, run the chat path, translate back; raises OpenAIError for a bad request."""
-        self.ctx.check_generating_model(request.model)
+        self.ctx.check_model(request.model, generates=True)
         if request.n != 1:
             raise OpenAIError("a response has one output: n must be 1", param="n")
         if request.return_token_ids:

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.classifier import ClassifierConfig
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
@@ -83,8 +82,7 @@ class ModelRunner:
         abstract: bool = False,
         logprobs_branch: bool = False,
         radix_bits: int = 1,
-        score_head: np.ndarray | None = None,
-        classifier: ClassifierConfig | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
@@ -97,7 +95,7 @@ class ModelRunner:
         such a branch can synchronise with the host; scripts/export_step.py refuses it).
         `radix_bits`: bits of top-k / top-p's threshold found per pass over the vocabulary
         (sampler.largest_threshold: fewer passes, 2^bits - 1 compares each).
-        `score_head`, `classifier`: a sequence classifier's head (worker/pooler.py)."""
+        `pooler`: the pooling requests' (worker/pooler.py; a classifier's holds its head)."""
         self.stages = stages
         self.logprobs_branch = logprobs_branch
         self.radix_bits = radix_bits
@@ -133,7 +131,7 @@ class ModelRunner:
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
         self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
         self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
-        self.pooler = Pooler(S, score_head, classifier)  # pooling requests (worker/pooler.py)
+        self.pooler = pooler or Pooler(S)
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self.sample_program = jax.jit(
@@ -383,8 +381,7 @@ class ModelRunner:
             result.prompt_logprobs = prompt_logprobs_output(*handle.prompt_out)
         if handle.pool_out is not None:
             sums, rows, every_token = handle.pool_out
-            result.pooler_output = self.pooler.finish(
-                host_array(sums), rows, None if every_token is None else host_array(every_token))
+            result.pooler_output = self.pooler.finish(host_array(sums), rows, every_token)
         f = handle.facts
         result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
         return result

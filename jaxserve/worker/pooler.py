@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxserve.classifier import ClassifierConfig
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.worker.step_handle import host_array
 
 _NORM_EPS = 1e-12  # torch.nn.functional.normalize's, as vLLM's pooler uses
 
@@ -111,13 +112,14 @@ class Pooler:
                 rows.append(PoolingRows(req_id, k, max(hi - lo, 0), end >= P, P, params, at))
         return (seg, rows) if rows else None
 
-    def finish(self, sums: np.ndarray, rows: list[PoolingRows], hidden: np.ndarray | None = None
+    def finish(self, sums: np.ndarray, rows: list[PoolingRows], hidden: jax.Array | None = None
                ) -> dict[str, list[float] | list[list[float]]]:
         """Add a step's `pool_sums` (on the host) to the partial sums; returns the vectors of
-        the requests whose prompt it finished. `hidden`: the step's every-token states when
-        `wants_rows`. A request removed while the step was in flight (aborted, or preempted:
-        it restarts from scratch) is skipped."""
+        the requests whose prompt it finished. `hidden`: the step's every-token states (on
+        the device) when `wants_rows`. A request removed while the step was in flight
+        (aborted, or preempted: it restarts from scratch) is skipped."""
         done: dict[str, list[float] | list[list[float]]] = {}
+        hidden = None if hidden is None else host_array(hidden)
         for r in rows:
             if r.req_id not in self.requests:
                 continue

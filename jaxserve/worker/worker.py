@@ -42,6 +42,7 @@ from jaxserve.worker.compile_cache import enable_compilation_cache
 from jaxserve.worker.kv_sizing import (MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache,
                                        refuse_too_few_pages)
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
 from jaxserve.worker.step_handle import StepHandle
 
@@ -280,7 +281,7 @@ class Worker:
             logprobs_branch=self.platform == "cpu",
             radix_bits=(SAMPLER_RADIX_BITS_CPU if self.platform == "cpu"
                         else SAMPLER_RADIX_BITS_DEVICE),
-            score_head=self.score_head, classifier=self.config.resolved.classifier,
+            pooler=Pooler(sc.max_num_seqs, self.score_head, self.config.resolved.classifier),
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

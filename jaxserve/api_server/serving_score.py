@@ -100,7 +100,8 @@ class ServingScores:
         ids = []
         for a, b in pairs:
             if head.use_sep_token:
-                self.ctx.check_text_size(b, "text_2")
+                if not keeping:
+                    self.ctx.check_text_size(b, "text_2")
                 pair = await self.ctx.tokenize(a, "text_1", truncating=keeping, text_pair=b)
             else:
                 pair = await self.ctx.tokenize(a + b, "text_1", truncating=keeping)
@@ -151,7 +152,6 @@ class ServingScores:
                               usage={"total_tokens": tokens},
                               results=[RerankResult(index=i, document={"text": request.documents[i]},
                                                     relevance_score=scores[i]) for i in order])
-
 
     async def classify(self, request: ClassificationRequest) -> ClassificationResponse:
         """Each input's class probabilities (logits with use_activation false) and label."""

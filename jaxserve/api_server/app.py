@@ -53,11 +53,11 @@ from jaxserve.api_server.messages_protocol import (
     anthropic_error_response,
 )
 from jaxserve.api_server.responses_protocol import ResponsesRequest
-from jaxserve.api_server.embedding_protocol import EmbeddingRequest, PoolingRequest
+from jaxserve.api_server.embedding_protocol import ClassificationRequest, EmbeddingRequest, PoolingRequest
 from jaxserve.api_server.serving_chat import OpenAIServingChat
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
 from jaxserve.api_server.serving_messages import AnthropicServingMessages
-from jaxserve.api_server.serving_score import ServingScores
+from jaxserve.api_server.serving_score import RerankRequest, ScoreRequest, ServingScores
 from jaxserve.api_server.serving_responses import OpenAIServingResponses
 from jaxserve.api_server.serving_completion import OpenAIServingCompletion
 
@@ -174,10 +174,13 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
     app.add_api_route("/classify", scores.classify, methods=["POST"], response_model=None)
 
     # SageMaker's route (vLLM serves it): the body's shape picks the endpoint.
-    invocation_routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[Response]]]] = [
+    invocation_routes: list[tuple[str, type[Any], Callable[[Any], Awaitable[Any]]]] = [
         ("messages", ChatCompletionRequest, chat.create_chat_completion),
         ("prompt", CompletionRequest, completion.create_completion),
-        ("input", EmbeddingRequest, embedding.create_embedding),
+        ("input", ClassificationRequest, scores.classify) if ctx.processor.classifier
+        else ("input", EmbeddingRequest, embedding.create_embedding),
+        ("query", RerankRequest, scores.rerank),
+        ("text_1", ScoreRequest, scores.score),
     ]
 
     @app.post("/invocations")
@@ -193,9 +196,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics,
                 except ValidationError as e:
                     message, param = describe_validation_errors(e.errors())
                     raise OpenAIError(message, param=param) from None
-                return await run_until_disconnected(raw, handler(request))
+                reply = await run_until_disconnected(raw, handler(request))
+                return reply if isinstance(reply, Response) else Response(
+                    reply.model_dump_json(), media_type="application/json")
         raise OpenAIError("cannot find a route for this body: /invocations takes a chat "
-                          "(messages), completion (prompt) or embedding (input) request")
+                          "(messages), completion (prompt), embedding or classification "
+                          "(input), rerank (query) or score (text_1) request")
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:

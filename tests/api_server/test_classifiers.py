@@ -139,6 +139,13 @@ def test_score_rerank_classify_pooling_on_a_reranker(reranker) -> None:
     assert classify["usage"]["prompt_tokens"] == len("where is Paris?" + docs[2]) + 1  # + <bos>
     pooled = post("/pooling", {"input": "where is Paris?" + docs[2]}).json()  # classify by default
     np.testing.assert_allclose(pooled["data"][0]["data"], [want[2]], atol=2e-4)
+    # SageMaker's /invocations routes by the body's shape, to the classifier's endpoints.
+    routed = post("/invocations", {"query": "where is Paris?", "documents": docs}).json()
+    assert [r["index"] for r in routed["results"]] == list(np.argsort(want)[::-1])
+    routed = post("/invocations", {"input": "where is Paris?" + docs[2]}).json()
+    np.testing.assert_allclose(routed["data"][0]["probs"], [want[2]], atol=2e-4)
+    routed = post("/invocations", {"text_1": "where is Paris?", "text_2": docs[:1]}).json()
+    np.testing.assert_allclose(routed["data"][0]["score"], want[0], atol=2e-4)
 
 
 @pytest.mark.parametrize("route,body,message", [

@@ -100,7 +100,7 @@ class RecordingChat:
 
     def __init__(self, reply: Any) -> None:
         self.ctx = SimpleNamespace(model_name="m", responses_store_size=8, tokenizer=None,
-                                   check_model=lambda model: None)
+                                   check_model=lambda model, generates=False: None)
         self.reply, self.requests = reply, []
 
     async def create_chat_completion(self, request: Any, **_: Any) -> Any:

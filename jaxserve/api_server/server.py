@@ -53,7 +53,7 @@ async def run_server(args: ServerArgs, config: EngineConfig,
     # generation_config.json; all of them without a tokenizer) the processor adds as stops.
     eos = front.eos_token_id
     names = list(config.model_config.served_model_name) or [files.name]
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], config.parallel_config.data_parallel_size)
     exporter = None
     if args.otlp_traces_endpoint:
         from jaxserve.api_server.otel import OtlpTraceExporter

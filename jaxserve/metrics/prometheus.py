@@ -66,10 +66,13 @@ class RequestStateStats:
 
 
 class _PerEngine:
-    """One metric family's series, one per engine: `m[engine]` is engine `engine`'s."""
+    """One metric family's series, one per engine: `m[engine]` is engine `engine`'s. Each
+    engine's series exists from the start (a gauge reads 0 before the first stats)."""
 
-    def __init__(self, family: Any, model_name: str) -> None:
+    def __init__(self, family: Any, model_name: str, num_engines: int) -> None:
         self.family, self.model_name = family, model_name
+        for engine in range(num_engines):
+            self[engine]
 
     def __getitem__(self, engine: int) -> Any:
         return self.family.labels(self.model_name, str(engine))
@@ -78,7 +81,7 @@ class _PerEngine:
 class ServerMetrics:
     """Every metric of one served model, in a registry of its own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         disable_created_metrics()  # no `*_created` series, as in vLLM
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name", "engine"]
@@ -96,14 +99,15 @@ class ServerMetrics:
         self._compile_totals: dict[int, tuple[int, float]] = {}
 
         def gauge(name: str, doc: str) -> _PerEngine:
-            return _PerEngine(Gauge(PREFIX + name, doc, labels, registry=r), model_name)
+            return _PerEngine(Gauge(PREFIX + name, doc, labels, registry=r), model_name, num_engines)
 
         def counter(name: str, doc: str) -> _PerEngine:
-            return _PerEngine(Counter(PREFIX + name, doc, labels, registry=r), model_name)
+            return _PerEngine(Counter(PREFIX + name, doc, labels, registry=r), model_name,
+                              num_engines)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> _PerEngine:
             return _PerEngine(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r),
-                              model_name)
+                              model_name, num_engines)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")

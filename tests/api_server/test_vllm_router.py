@@ -48,10 +48,13 @@ def test_two_servers_behind_vllm_router(tmp_path) -> None:
                     "model": MODEL, "max_tokens": 4,
                     "messages": [{"role": "user", "content": f"Count to {i}."}]})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-            for server in (a, b):  # two each: round robin over both
+            served = []  # round robin over both (the router's own probes may shift the turn)
+            for server in (a, b):
                 text = httpx.get(server.url("/metrics")).text
-                assert (f'vllm:request_success_total{{engine="0",finished_reason="length",'
-                        f'model_name="{MODEL}"}} 2.0') in text
+                m = re.search(r'vllm:request_success_total\{engine="0",finished_reason="length",'
+                              rf'model_name="{MODEL}"\}} (\S+)', text)
+                served.append(float(m.group(1)) if m else 0.0)
+            assert sum(served) == 4 and min(served) >= 1, served
             proxied = httpx.get(url + "/metrics", timeout=10).text
             assert re.search(rf'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0',
                              proxied), proxied[:2000]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from jaxserve.classifier import ClassifierConfig
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.weight_format import WeightFormat, check_quantization
 
@@ -130,6 +131,8 @@ class SchedulerConfig:
     # pipeline stages' async scheduling this), so each step's stage 0 needs nothing from the
     # step before and the stages overlap.
     num_microbatches: int = 1
+    # Sliding-window layers keep every page in the one full-attention group (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -363,6 +366,9 @@ class ResolvedConfig:
     weight_act_order: bool = False  # GPTQ's desc_act: inputs permuted into their groups (`perm`)
     # A sequence classifier's head (None: a generative model), jaxserve/classifier.py.
     classifier: ClassifierConfig | None = None
+    # Which layers share a block table (jaxserve/kv_cache_spec.py): sliding-window layers
+    # apart from full-attention ones, so their pages can be given back.
+    kv_cache_groups: KVCacheGroups = FULL_ATTENTION
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,10 @@ class EngineArgs:
     async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=cli_arg(
         "scheduler", "schedule step N+1 while step N runs (off with speculative decoding)",
         action=BOOL))
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=SchedulerConfig.disable_hybrid_kv_cache_manager, metadata=cli_arg(
+            "scheduler", "sliding-window layers keep every page, as full attention does "
+            "(one KV cache group)", action=BOOL))
     scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=cli_arg(
         "scheduler", "order of the waiting queue", choices=[p.value for p in SchedulingPolicy]))
     speculative_config: dict | SpeculativeConfig | None = field(default=None, metadata=cli_arg(
@@ -272,7 +276,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,  # None: the model's (engine/resolve.py)
                 policy=_policy(self.scheduling_policy), async_scheduling=async_scheduling,
-                num_microbatches=num_microbatches),
+                num_microbatches=num_microbatches,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                 distributed_coordinator_address=self.distributed_coordinator_address,

@@ -53,9 +53,10 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     cc = config.cache_config
     layout = worker.kv_layout
     logger.info(
-        "KV cache: %d pages of %d tokens (%.2f GiB, %s values%s)", num_blocks, cc.block_size,
-        num_blocks * worker.page_bytes() / 2**30, layout.dtype,
+        "KV cache: %d pages of %d tokens (%.2f GiB, %s values%s; %s)", num_blocks,
+        cc.block_size, num_blocks * worker.page_bytes() / 2**30, layout.dtype,
         ", packed in int32 words" if layout.packed else "",
+        config.resolved.kv_cache_groups.describe(),
     )
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:
@@ -76,7 +77,8 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
         worker.arch.vocab_size,
         config.structured_outputs_config.disable_additional_properties)
     scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, eos_token_id,
-                          structured, config.speculative_config)
+                          structured, config.speculative_config,
+                          config.resolved.kv_cache_groups)
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
     core = EngineCore(scheduler, executor, batch_queue_size=config.batch_queue_size,
                       request_tracing=config.request_tracing)

@@ -22,6 +22,7 @@ import kernels_pallas.bf16_matmul as bf16_kernel
 from jaxserve.classifier import ClassifierConfig, is_classifier_architecture
 from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ModelConfig, ParallelConfig,
                              ResolvedConfig, WeightFormat)
+from jaxserve.kv_cache_spec import KVCacheGroups
 from jaxserve.models import ArchConfig, checkpoint_quant
 from jaxserve.models.loaders.weights import projection_shapes
 from jaxserve.models.loaders import read_arch
@@ -50,6 +51,15 @@ def resolve_classifier(files: ModelFiles, arch: ArchConfig, mc: ModelConfig) -> 
         return ClassifierConfig.from_hf_config(cfg, token_ids)
     except ValueError as e:
         raise ValueError(f"{files.path}: {e}") from None
+
+
+def resolve_kv_cache_groups(arch: ArchConfig, hybrid: bool) -> KVCacheGroups:
+    """The model's KV cache groups: its sliding-window layers apart from its full-attention
+    ones. Not `hybrid` (pipeline stages, or --disable-hybrid-kv-cache-manager): layers of both
+    kinds share one full-attention group, every page kept."""
+    types = arch.layer_types or ("sliding_attention",) * arch.num_hidden_layers
+    windows = [arch.sliding_window if t == "sliding_attention" else None for t in types]
+    return KVCacheGroups.for_layers(windows, hybrid)
 
 
 def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
@@ -91,7 +101,9 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         kv_cache_dtype=KVCacheDtype.resolve(config.cache_config.cache_dtype,
                                             auto_kv_cache_dtype(dtype, weight_format, platform)),
         weight_group_size=group_size, weight_act_order=act_order,
-        classifier=resolve_classifier(files, arch, mc))
+        classifier=resolve_classifier(files, arch, mc),
+        kv_cache_groups=resolve_kv_cache_groups(
+            arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager))
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from jaxserve.engine_core.kv_cache_utils import BlockHash
+from jaxserve.engine_core.kv_cache_utils import BlockHash, group_key
 
 if TYPE_CHECKING:
     from jaxserve.engine_core.request import Request
@@ -164,24 +164,33 @@ class BlockPool:
         if self.cached_block_hash_to_block.get(block_hash) is block:
             del self.cached_block_hash_to_block[block_hash]
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> int:
         """Take a reference to prefix-hit pages, pulling free ones out of the
-        free queue so they cannot be evicted while this request uses them."""
+        free queue so they cannot be evicted while this request uses them.
+        Returns how many were free."""
+        taken = 0
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:  # a sliding window's passed page: nobody's
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                taken += 1
             block.ref_cnt += 1
+        return taken
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> int:
         """Drop one reference from each page; pages nobody uses join the tail of
         the free queue in the given order (the first is evicted first), so
-        callers pass a request's pages tail first."""
+        callers pass a request's pages tail first. Returns how many became free."""
         queue = self.free_block_queue
+        freed = 0
         for block in ordered_blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 queue.append(block)
+                freed += 1
+        return freed
 
     def cache_full_blocks(
         self,
@@ -189,16 +198,18 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
         """Register pages num_cached_blocks:num_full_blocks of `request` (now
-        full of real tokens) under the request's page hashes."""
+        full of real tokens) under the request's page hashes, as KV cache group
+        `group`'s."""
         cache = self.cached_block_hash_to_block
         block_hashes = request.block_hashes
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.is_null:
                 continue
-            block_hash = block_hashes[i]
+            block_hash = group_key(block_hashes[i], group)
             if block_hash in cache:
                 continue
             block.block_hash = block_hash

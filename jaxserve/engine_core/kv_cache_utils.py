@@ -32,20 +32,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def min_num_blocks(max_model_len: int, block_size: int) -> int:
-    """The smallest cache the engine accepts: one max_model_len sequence and the null page
-    (so a request alone can always grow to max_model_len, and preemption never livelocks)."""
-    return cdiv(max_model_len, block_size) + 1
-
-
-def check_cache_holds(num_blocks: int, max_model_len: int, block_size: int) -> None:
-    """ValueError, naming the flags, for a cache smaller than min_num_blocks."""
-    if num_blocks < min_num_blocks(max_model_len, block_size):
-        raise ValueError(
-            f"the KV cache holds {num_blocks - 1} pages of {block_size} tokens "
-            f"({(num_blocks - 1) * block_size} tokens) but --max-model-len is "
-            f"{max_model_len}; lower --max-model-len or give the KV cache more memory"
-        )
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """A page hash as KV cache group `group` registers it: a page holds that group's layers'
+    KV only (group 0's key is the hash itself)."""
+    return block_hash if group == 0 else block_hash + bytes((group,))
 
 
 def hash_block_tokens(

@@ -37,14 +37,14 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when a preempted request is resumed (recompute)
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group
     num_computed_tokens: int  # prefix-cache hit length (or 0)
     # The sampler keeps it (and stop_token_ids) from being sampled before min_tokens.
     eos_token_id: int | None = None
     pooling_params: PoolingParams | None = None  # an embedding request (worker/pooler.py)
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
         return cls(
             req_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -63,7 +63,7 @@ class CachedRequestData:
     """Diffs for requests already in the worker's batch; parallel lists."""
 
     req_ids: list[str]
-    new_block_ids: list[list[int]]
+    new_block_ids: list[tuple[list[int], ...]]  # pages added to each group's table
     num_computed_tokens: list[int]  # before this step's tokens
 
     @classmethod
@@ -72,14 +72,15 @@ class CachedRequestData:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], req_to_new_blocks: dict[str, list[KVCacheBlock]]
+        cls, requests: list[Request],
+        req_to_new_blocks: dict[str, tuple[list[KVCacheBlock], ...]],
     ) -> CachedRequestData:
         """Diffs of `requests`, read before their num_computed_tokens advance."""
         data = cls.make_empty()
         for r in requests:
             data.req_ids.append(r.req_id)
-            new_blocks = req_to_new_blocks[r.req_id]
-            data.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            data.new_block_ids.append(
+                tuple([b.block_id for b in blocks] for blocks in req_to_new_blocks[r.req_id]))
             data.num_computed_tokens.append(r.num_computed_tokens)
         return data
 

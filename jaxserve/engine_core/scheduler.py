@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.engine_core.kv_cache_utils import check_cache_holds
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
@@ -52,7 +52,8 @@ _RUNNING = RequestStatus.RUNNING
 class Scheduler:
     """The engine core's scheduler. `num_blocks` (KV pages, page 0 included)
     comes from the worker's memory profiling; `eos_token_id` is used for
-    requests that do not carry their own."""
+    requests that do not carry their own; `kv_cache_groups` is the resolved
+    config's."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_cache_groups: KVCacheGroups = FULL_ATTENTION,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output = structured_output or StructuredOutputManager()
@@ -75,9 +77,11 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.eos_token_id = eos_token_id
 
-        check_cache_holds(num_blocks, self.max_model_len, self.block_size)
+        kv_cache_groups.check_holds(num_blocks, self.max_model_len, self.block_size,
+                                    self.max_num_scheduled_tokens)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+            num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
+            kv_cache_groups,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -153,7 +157,7 @@ class Scheduler:
         """Decide this step: running requests first, then admissions."""
         now = time.monotonic()
         num_scheduled_tokens: dict[str, int] = {}
-        req_to_new_blocks: dict[str, list[KVCacheBlock]] = {}
+        req_to_new_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}
         scheduled_running_reqs: list[Request] = []
         scheduled_new_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
@@ -202,7 +206,7 @@ class Scheduler:
         token_budget: int,
         now: float,
         scheduled_running_reqs: list[Request],
-        req_to_new_blocks: dict[str, list[KVCacheBlock]],
+        req_to_new_blocks: dict[str, tuple[list[KVCacheBlock], ...]],
         num_scheduled_tokens: dict[str, int],
         preempted_reqs: list[Request],
     ) -> int:

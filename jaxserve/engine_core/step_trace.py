@@ -84,15 +84,18 @@ class StepTracer:
                        so.total_num_scheduled_tokens)
         n, pending, bs = so.num_scheduled_tokens, self.pending, self.block_size
         for new in so.scheduled_new_reqs:
-            # The prefix-cache hit's pages were found, not allocated.
-            pages = len(new.block_ids) - new.num_computed_tokens // bs
+            # The prefix-cache hit's pages were found, not allocated (every group's table
+            # has one entry per hit page, a sliding window's passed ones null).
+            hit = new.num_computed_tokens // bs
+            pages = sum(len(ids) - hit for ids in new.block_ids)
             pending.setdefault(new.req_id, []).append(
                 new_step_entry(StepEntry, (st, n[new.req_id], pages, new.num_computed_tokens, True)))
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                             cached.num_computed_tokens):
             pending.setdefault(req_id, []).append(
-                new_step_entry(StepEntry, (st, n[req_id], len(blocks), computed, False)))
+                new_step_entry(StepEntry, (st, n[req_id], sum(map(len, blocks)), computed,
+                                           False)))
         return st
 
     def dispatched(self, st: StepTrace | None) -> None:

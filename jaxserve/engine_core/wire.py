@@ -2,7 +2,7 @@
 
 A dataclass travels as the list of its fields' values in declaration order (what msgpack packs
 cheapest). A field typed as a dataclass, a list of dataclasses or an enum travels as the nested
-record(s) or the enum's value; a field whose metadata holds a `WireField` travels as its own
+record(s) (a list, or a tuple[X, ...]) or the enum's value; a field whose metadata holds a `WireField` travels as its own
 functions say, given the message's shared context (e.g. a table of steps several outputs point
 at). Decoding reads the class's own field list, so neither side writes a position by hand, and
 a record whose length does not match its class is a ValueError naming the class.
@@ -46,10 +46,10 @@ def _kind(hint: Any) -> tuple[int, Any]:
             return _RECORD, t
         if isinstance(t, type) and issubclass(t, enum.Enum):
             return _ENUM, t
-        if typing.get_origin(t) is list and typing.get_args(t):
-            (item,) = typing.get_args(t)
-            if dataclasses.is_dataclass(item):
-                return _RECORDS, item
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if (origin is list and len(args) == 1) or (origin is tuple and args[1:] == (...,)):
+            if dataclasses.is_dataclass(args[0]):
+                return _RECORDS, (args[0], origin)
     return _PLAIN, None
 
 
@@ -111,7 +111,8 @@ def decode_record(cls: type[T], values: list[Any], ctx: Any = None) -> T:
         if kind == _RECORD:
             args[i] = decode_record(arg, v, ctx)
         elif kind == _RECORDS:
-            args[i] = [decode_record(arg, x, ctx) for x in v]
+            item, container = arg
+            args[i] = container(decode_record(item, x, ctx) for x in v)
         elif kind == _ENUM:
             args[i] = arg(v)
         else:

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import kernels_pallas
 from jaxserve.config import KVCacheDtype, WeightFormat
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm
@@ -45,6 +46,8 @@ class ModelOptions:
     # The values the cache holds (the engine's is resolved from --kv-cache-dtype): fp8 ones are
     # stored as their bits in a uint8 cache.
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.FLOAT32
+    # Which block table and cache slot each layer uses (jaxserve/kv_cache_spec.py).
+    kv_cache_groups: KVCacheGroups = FULL_ATTENTION
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
@@ -96,9 +99,9 @@ def paged_attention(
     q: jax.Array,  # [T, q_heads, D]
     k: jax.Array,  # [T, kv_heads, D]
     v: jax.Array,
-    kv_cache: jax.Array,  # [L, num_pages, page_size, *layout.token_shape] (this device's heads)
-    layer_idx: jax.Array,
-    md: AttentionMetadata,
+    kv_cache: jax.Array,  # [slots, num_pages, page_size, *layout.token_shape] (this device's heads)
+    slot: jax.Array,
+    md: AttentionMetadata,  # of the layer's KV cache group
     *,
     sm_scale: float,
     backend: str,
@@ -108,22 +111,23 @@ def paged_attention(
     write: bool = True,
     read: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Write this layer's K/V into the stacked cache, then attend over it (`write=False`:
-    only attend, the caller wrote them; `read=False`: only write, and `q` comes back).
+    """Write this layer's K/V into its slot of the stacked cache, then attend over it
+    (`write=False`: only attend, the caller wrote them; `read=False`: only write, and `q`
+    comes back).
 
-    The cache is viewed as `[L * num_pages, ...]` (a free reshape) with page ids
-    and slots offset by `layer_idx * num_pages`, so the kernels see an ordinary
+    The cache is viewed as `[slots * num_pages, ...]` (a free reshape) with page ids
+    and slots offset by `slot * num_pages`, so the kernels see an ordinary
     paged cache and no layer is copied out of the stack. `kv_cache_dtype` names the
     values the cache holds ("float32", "bfloat16", "fp8", ...).
     """
     options = options or {}
-    num_layers, num_pages, page_size = kv_cache.shape[:3]
-    flat = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])
+    num_slots, num_pages, page_size = kv_cache.shape[:3]
+    flat = kv_cache.reshape(num_slots * num_pages, *kv_cache.shape[2:])
     layout = kernels_pallas.kv_cache_layout(k.shape[1], k.shape[2], kv_cache_dtype, backend=backend)
     kv: dict[str, Any] = dict(layout=layout)
     if layout.is_fp8:
         kv.update(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
-    page_offset = layer_idx * num_pages
+    page_offset = slot * num_pages
     if write:
         with jax.named_scope("kv_cache_update"):
             flat = kernels_pallas.update_kv_cache(
@@ -139,6 +143,19 @@ def paged_attention(
             **kv,
         )
     return out, flat.reshape(kv_cache.shape)
+
+
+def group_view(groups: KVCacheGroups, num_layers: int, layer_idx: jax.Array,
+               md: AttentionMetadata) -> tuple[jax.Array, AttentionMetadata]:
+    """Layer `layer_idx`'s cache slot, and the step's metadata with its group's block table
+    and slots (the step carries one per group: `[G, ...]`)."""
+    if not groups.hybrid:
+        return layer_idx, dataclasses.replace(md, slot_mapping=md.slot_mapping[0],
+                                              page_indices=md.page_indices[0])
+    group_of, slot_of = groups.layer_group_slot(num_layers)
+    g = jnp.asarray(group_of, jnp.int32)[layer_idx]
+    return jnp.asarray(slot_of, jnp.int32)[layer_idx], dataclasses.replace(
+        md, slot_mapping=md.slot_mapping[g], page_indices=md.page_indices[g])
 
 
 class Attention(nn.Module):
@@ -161,6 +178,7 @@ class Attention(nn.Module):
             return make_dense(n, bias, opts.dtype, opts.weight_format, name, cfg.num_hidden_layers,
                               cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size,
                               act_order=opts.weight_act_order)
+        slot, md = group_view(opts.kv_cache_groups, cfg.num_hidden_layers, layer_idx, md)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
@@ -202,7 +220,7 @@ class Attention(nn.Module):
             # stage of only sliding layers) take the sliding layers' rope.
             local = bool(cfg.layer_types) and all(t == "sliding_attention" for t in cfg.layer_types)
             out, kv_cache = attention(None)(rope(q, local), rope(k, local), v, kv_cache,
-                                            layer_idx, md)
+                                            slot, md)
         else:
             # Layers of both kinds in one scan. The cache is written outside the branch (a
             # branch that wrote it made XLA's GPU pipeline copy the cache); each branch only
@@ -213,11 +231,11 @@ class Attention(nn.Module):
                 k = jnp.where(local, rope(k, True), rope(k, False))
             else:
                 q, k = rope(q, False), rope(k, False)
-            _, kv_cache = attention(None, read=False)(q, k, v, kv_cache, layer_idx, md)
+            _, kv_cache = attention(None, read=False)(q, k, v, kv_cache, slot, md)
 
             def read(is_local: bool) -> jax.Array:
                 step_md = dataclasses.replace(md, plan=md.plan[int(is_local)])
-                return attention(is_local, write=False)(q, k, v, kv_cache, layer_idx, step_md)[0]
+                return attention(is_local, write=False)(q, k, v, kv_cache, slot, step_md)[0]
 
             out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
         out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)

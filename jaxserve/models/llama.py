@@ -6,11 +6,12 @@ Layers are stacked and run under `nn.scan`: one compiled layer body instead of
 `ModelOptions.scan_unroll`). The KV cache of
 all layers is one array carried through the scan and updated in place:
 
-    kv_cache [num_layers, num_pages, page_size, *token_shape]
+    kv_cache [slots, num_pages, page_size, *token_shape]
+             (slots: the layers, or with KV cache groups a group's layers, kv_cache_spec.py)
              (token_shape: the kernels' layout for the platform, kernels_pallas/kv_cache.py;
               [2 * num_kv_heads, head_dim] on CPU and GPU, packed int32 rows on TPU)
 
-Inside layer `i` the cache is viewed as `[num_layers * num_pages, ...]` (a free
+Inside a layer of slot `i` the cache is viewed as `[slots * num_pages, ...]` (a free
 reshape) and page ids / slots are offset by `i * num_pages`, so the attention
 kernels see an ordinary paged cache and nothing copies a layer out of the stack.
 """
@@ -132,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         def make_plan(local: bool | None) -> Any:
             window = attention_options(cfg, local).get("sliding_window")
             return kernels_pallas.attention_plan(
-                md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
+                md.kv_lens, md.page_indices[0], md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
                 page_size=kv_cache.shape[2], backend=self.opts.attention_backend,
                 **({"sliding_window": window} if window else {}))
 
@@ -163,5 +164,6 @@ class LlamaForCausalLM(nn.Module):
         tp = 1 if opts.mesh is None else opts.mesh.shape["model"]
         layout = kv_cache_layout(self.cfg, opts.attention_backend, opts.kv_cache_dtype, tp)
         token = layout.token_shape
-        shape = (self.cfg.num_hidden_layers, num_pages, page_size, tp * token[0], *token[1:])
+        slots = opts.kv_cache_groups.slots(self.cfg.num_hidden_layers)
+        shape = (slots, num_pages, page_size, tp * token[0], *token[1:])
         return jax.ShapeDtypeStruct(shape, layout.storage_dtype)

@@ -111,7 +111,8 @@ def build_stages(
 def abstract_params(model: LlamaForCausalLM) -> Any:
     """The loaders' param tree of `model` (decoder and LM head) as ShapeDtypeStructs."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(i32(16), i32(4), i32(4, 8), i32(5), i32(1))
+    G = len(model.opts.kv_cache_groups.groups)
+    md = AttentionMetadata(i32(G, 16), i32(4), i32(G, 4, 8), i32(5), i32(1))
     # Parameter shapes do not depend on the mesh or the kernels: initialise the plain model.
     plain = LlamaForCausalLM(model.cfg, dataclasses.replace(
         model.opts, mesh=None, attention_backend="reference", attention_interpret=False))

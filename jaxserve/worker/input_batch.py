@@ -6,7 +6,8 @@ scheduled rows into the flat padded arrays of one forward pass (pure NumPy).
 
     token_ids   [max_num_seqs, max_model_len]   known tokens (prompt, and outputs
                                                  known at admission after a preemption)
-    block_table [max_num_seqs, max_pages]       page ids, appended as the scheduler grows them
+    block_table [groups, max_num_seqs, max_pages]  page ids of each KV cache group's table,
+                                                 appended as the scheduler grows them
 
 A token whose position is at or past `num_known_tokens` is the one sampled by
 the previous step: it has not reached the host yet (async scheduling), so the
@@ -38,9 +39,9 @@ class StepInputs:
     input_ids: Any  # i32[T]
     prev_slot: Any  # i32[T]; >= 0: take last_sampled[prev_slot] instead
     positions: Any  # i32[T]
-    slot_mapping: Any  # i32[T]
+    slot_mapping: Any  # i32[G, T]: each KV cache group's slots
     kv_lens: Any  # i32[Q]
-    page_indices: Any  # i32[Q, max_pages]
+    page_indices: Any  # i32[G, Q, max_pages]
     cu_q_lens: Any  # i32[Q + 1]
     num_seqs: Any  # i32[1]
     # i32[min(T, max_logit_rows)]: the last token of each scheduled request (a request
@@ -50,13 +51,14 @@ class StepInputs:
     @staticmethod
     @functools.cache
     def packing(num_tokens: int, max_num_seqs: int, max_pages: int,
-                max_logit_rows: int) -> Packing:
+                max_logit_rows: int, num_groups: int = 1) -> Packing:
         """The packed layout of a `num_tokens` bucket (one upload per step)."""
         T, Q, L = num_tokens, min(num_tokens, max_num_seqs), min(num_tokens, max_logit_rows)
+        G = num_groups
         return Packing((
             ("input_ids", (T,), "i32"), ("prev_slot", (T,), "i32"),
-            ("positions", (T,), "i32"), ("slot_mapping", (T,), "i32"),
-            ("kv_lens", (Q,), "i32"), ("page_indices", (Q, max_pages), "i32"),
+            ("positions", (T,), "i32"), ("slot_mapping", (G, T), "i32"),
+            ("kv_lens", (Q,), "i32"), ("page_indices", (G, Q, max_pages), "i32"),
             ("cu_q_lens", (Q + 1,), "i32"), ("num_seqs", (1,), "i32"),
             ("logits_indices", (L,), "i32"),
         ))
@@ -64,15 +66,16 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 max_logit_rows: int | None = None) -> None:
+                 max_logit_rows: int | None = None, num_groups: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_logit_rows = max_logit_rows or max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_pages = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
-        self.block_table = np.zeros((max_num_seqs, self.max_pages), np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.num_groups = num_groups
+        self.block_table = np.zeros((num_groups, max_num_seqs, self.max_pages), np.int32)
+        self.num_blocks = np.zeros((num_groups, max_num_seqs), np.int32)
         self.num_known_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
         # Sampling parameters per slot.
@@ -100,7 +103,7 @@ class InputBatch:
         req_id: str,
         token_ids: list[int],
         params: SamplingParams,
-        block_ids: list[int],
+        block_ids: tuple[list[int], ...],
         num_computed_tokens: int,
         seed: int,
         num_prompt_tokens: int | None = None,
@@ -113,7 +116,7 @@ class InputBatch:
         self.token_ids[slot, :n] = token_ids
         self.num_known_tokens[slot] = n
         self.num_computed_tokens[slot] = num_computed_tokens
-        self.num_blocks[slot] = 0
+        self.num_blocks[:, slot] = 0
         self.append_blocks(slot, block_ids)
         self.temperature[slot] = params.temperature
         self.top_k[slot] = min(max(params.top_k, 0), self.vocab_size)  # more than V: all
@@ -131,10 +134,13 @@ class InputBatch:
         self.prompt_logprobs[slot] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         return slot
 
-    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
-        n, k = int(self.num_blocks[slot]), len(block_ids)
-        self.block_table[slot, n : n + k] = block_ids
-        self.num_blocks[slot] = n + k
+    def append_blocks(self, slot: int, block_ids: tuple[list[int], ...]) -> None:
+        """Extend each group's table of `slot` by its new pages."""
+        for g, ids in enumerate(block_ids):
+            if ids:
+                n, k = int(self.num_blocks[g, slot]), len(ids)
+                self.block_table[g, slot, n : n + k] = ids
+                self.num_blocks[g, slot] = n + k
 
     def record_sampled(self, req_ids: list[str], slots: np.ndarray, first_pos: np.ndarray,
                        sampled: list[list[int]]) -> None:
@@ -183,9 +189,9 @@ class InputBatch:
             input_ids=np.zeros(padded_tokens, np.int32),
             prev_slot=np.full(padded_tokens, -1, np.int32),
             positions=np.zeros(padded_tokens, np.int32),
-            slot_mapping=np.zeros(padded_tokens, np.int32),  # padding -> null page 0
+            slot_mapping=np.zeros((self.num_groups, padded_tokens), np.int32),  # padding: page 0
             kv_lens=np.zeros(Q, np.int32),
-            page_indices=np.zeros((Q, self.max_pages), np.int32),
+            page_indices=np.zeros((self.num_groups, Q, self.max_pages), np.int32),
             cu_q_lens=cu,
             num_seqs=np.array([R], np.int32),
             logits_indices=np.zeros(min(padded_tokens, self.max_logit_rows), np.int32),
@@ -195,10 +201,10 @@ class InputBatch:
         inp.input_ids[:T] = np.where(from_host, self.token_ids[tok_slot, np.minimum(pos, self.max_model_len - 1)], 0)
         inp.prev_slot[:T] = np.where(from_host, -1, tok_slot)
         inp.positions[:T] = pos
-        inp.slot_mapping[:T] = self.block_table[tok_slot, pos // bs] * bs + pos % bs
+        inp.slot_mapping[:, :T] = self.block_table[:, tok_slot, pos // bs] * bs + pos % bs
         end = computed + num_scheduled
         inp.kv_lens[:R] = end
-        inp.page_indices[:R] = self.block_table[slots]
+        inp.page_indices[:, :R] = self.block_table[:, slots]
         if num_drafts is None:
             inp.logits_indices[:R] = cu[1 : R + 1] - 1
         else:

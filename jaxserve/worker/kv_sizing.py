@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.engine_core.kv_cache_utils import cdiv, min_num_blocks
+from jaxserve.kv_cache_spec import KVCacheGroups
 
 GiB = 1 << 30
 
@@ -49,10 +49,12 @@ class MemoryPlan:
     weight_bytes: int
     state_bytes: int  # the runner's sampler state (penalties, last tokens)
     activation_bytes: int  # the largest program's temp + outputs
-    page_bytes: int  # one KV page (every layer of the stage, this device's heads)
+    page_bytes: int  # one KV page (a group's layers of the stage, this device's heads)
     page_size: int
     max_model_len: int
     num_pages: int  # including the null page 0
+    groups: KVCacheGroups
+    seq_pages: int  # pages one max_model_len sequence holds while decoding (every group's)
 
     @property
     def usable_bytes(self) -> int:
@@ -63,13 +65,14 @@ class MemoryPlan:
         return self.num_pages * self.page_bytes
 
     @property
-    def pages_per_seq(self) -> int:
-        return cdiv(self.max_model_len, self.page_size)
+    def max_concurrent_seqs(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once, decoding."""
+        return max(self.num_pages - 1, 0) // self.seq_pages
 
     @property
-    def max_concurrent_seqs(self) -> int:
-        """Sequences of max_model_len tokens the cache holds at once."""
-        return max(self.num_pages - 1, 0) // self.pages_per_seq
+    def bytes_per_token(self) -> int:
+        """Cache bytes a token of context costs (a max_model_len sequence's share)."""
+        return self.seq_pages * self.page_bytes // self.max_model_len
 
     def summary(self) -> str:
         return (f"{self.device}: {fmt_bytes(self.memory_bytes)} x {self.utilization:g} = "
@@ -77,7 +80,8 @@ class MemoryPlan:
                 f"activations {fmt_bytes(self.activation_bytes)}, sampler state "
                 f"{fmt_bytes(self.state_bytes)}, KV cache {fmt_bytes(self.cache_bytes)} = "
                 f"{self.num_pages} pages of {self.page_size} tokens "
-                f"({fmt_bytes(self.page_bytes // self.page_size)} per token): "
+                f"({fmt_bytes(self.bytes_per_token)} per token of context; "
+                f"{self.groups.describe()}): "
                 f"{self.max_concurrent_seqs} sequences of {self.max_model_len} tokens at once")
 
 
@@ -95,12 +99,12 @@ def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight
 
 
 def refuse_too_few_pages(num_pages: int, page_size: int, max_model_len: int, given_by: str,
-                         knob: str) -> None:
+                         knob: str, groups: KVCacheGroups, chunk: int) -> None:
     """A cache whose size the user set (`given_by`, turned with `knob`) must hold one
-    max_model_len sequence and the null page."""
-    need = min_num_blocks(max_model_len, page_size)
+    max_model_len sequence (computing `chunk` tokens a step) and the null page."""
+    need = groups.min_num_blocks(max_model_len, page_size, chunk)
     if num_pages < need:
-        fits = max(num_pages - 1, 0) * page_size
+        fits = groups.longest_fitting(num_pages, page_size, chunk)
         raise InsufficientMemoryError(
             f"kv_cache_manager: {given_by} gives the KV cache {num_pages} pages of {page_size} "
             f"tokens, but one request of max_model_len={max_model_len} needs {need}; the "
@@ -110,10 +114,12 @@ def refuse_too_few_pages(num_pages: int, page_size: int, max_model_len: int, giv
 def plan_kv_cache(
     *, device: str, memory_bytes: int, utilization: float, weight_bytes: int, state_bytes: int,
     activation_bytes: int, page_bytes: int, page_size: int, max_model_len: int,
+    groups: KVCacheGroups, chunk: int,
     kv_cache_memory_bytes: int | None = None, given_by: str | None = None,
 ) -> MemoryPlan:
     """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked with the
-    flag `given_by`), or InsufficientMemoryError when not one max_model_len sequence fits."""
+    flag `given_by`), or InsufficientMemoryError when not one max_model_len sequence
+    (computing up to `chunk` tokens a step) fits."""
     check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes,
                       page_bytes // page_size)
     room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
@@ -121,20 +127,21 @@ def plan_kv_cache(
         room = kv_cache_memory_bytes
     plan = MemoryPlan(device, memory_bytes, utilization, weight_bytes, state_bytes,
                       activation_bytes, page_bytes, page_size, max_model_len,
-                      max(room, 0) // page_bytes)
-    need = min_num_blocks(max_model_len, page_size)
+                      max(room, 0) // page_bytes, groups,
+                      groups.pages_per_request(max_model_len, page_size))
+    need = groups.min_num_blocks(max_model_len, page_size, chunk)
     if plan.num_pages < need:
-        fits = max(plan.num_pages - 1, 0) * page_size
+        fits = groups.longest_fitting(plan.num_pages, page_size, chunk)
         if given_by is not None:
             refuse_too_few_pages(plan.num_pages, page_size, max_model_len, given_by,
-                                 given_by.split()[0])
+                                 given_by.split()[0], groups, chunk)
         raise InsufficientMemoryError(
             f"kv_cache_manager: the KV cache has room for {plan.num_pages} pages of {page_size} "
             f"tokens on {device}, but one request of max_model_len={max_model_len} needs "
             f"{need}: weights {fmt_bytes(weight_bytes)} + activations "
             f"{fmt_bytes(activation_bytes)} + sampler state {fmt_bytes(state_bytes)} leave "
             f"{fmt_bytes(max(room, 0))} of {fmt_bytes(plan.usable_bytes)} usable, and the cache "
-            f"takes {fmt_bytes(page_bytes // page_size)} per token "
+            f"takes {fmt_bytes(plan.bytes_per_token)} per token "
             f"({fmt_bytes(need * page_bytes)} for one sequence); the largest max_model_len that "
             f"fits is {fits}. Try {KNOBS}.")
     return plan

@@ -112,7 +112,8 @@ class ModelRunner:
         # Rows of final states the forward keeps: one per request, or per draft row.
         self.num_logit_rows = max(S, max_verify_rows)
         self.verify_buckets = request_buckets(max_verify_rows) if max_verify_rows else ()
-        self.batch = InputBatch(S, max_model_len, block_size, V, self.num_logit_rows)
+        self.batch = InputBatch(S, max_model_len, block_size, V, self.num_logit_rows,
+                                len(self.model.opts.kv_cache_groups.groups))
         self.seed = seed
         self._num_requests_seen = 0
         # Committed to the mesh from the start: warm-up and serving must see the same
@@ -148,7 +149,7 @@ class ModelRunner:
 
     def forward_packing(self, num_tokens: int) -> Packing:
         return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages,
-                                  self.num_logit_rows)
+                                  self.num_logit_rows, self.batch.num_groups)
 
     def stage_fn(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
         """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
@@ -345,8 +346,7 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             slot = self.batch.req_id_to_slot[req_id]
-            if new_blocks:
-                self.batch.append_blocks(slot, new_blocks)
+            self.batch.append_blocks(slot, new_blocks)
             self.batch.num_computed_tokens[slot] = computed
         for new in so.scheduled_new_reqs:
             p = new.sampling_params

@@ -22,7 +22,6 @@ import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
 from jaxserve.config import EngineConfig, WeightFormat
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
-from jaxserve.engine_core.kv_cache_utils import min_num_blocks
 from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
@@ -114,13 +113,14 @@ class Worker:
         self.weight_format = r.weight_format
         self.attention_backend = r.attention_backend
         self.max_model_len = r.max_model_len
+        self.kv_cache_groups = r.kv_cache_groups
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.model_options = ModelOptions(
             dtype=self.dtype, attention_backend=self.attention_backend,
             attention_interpret=config.attention_interpret, weight_format=self.weight_format,
             weight_group_size=r.weight_group_size if self.weight_format.from_checkpoint else GROUP_SIZE,
             weight_act_order=r.weight_act_order,
-            kv_cache_dtype=r.kv_cache_dtype,
+            kv_cache_dtype=r.kv_cache_dtype, kv_cache_groups=r.kv_cache_groups,
             expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
@@ -214,7 +214,8 @@ class Worker:
             knob = "--kv-cache-memory-bytes"
             given_by = (f"{knob} {budget}" if cc.kv_cache_memory_bytes
                         else f"the CPU's default KV budget ({fmt_bytes(budget)})")
-        refuse_too_few_pages(num_blocks, cc.block_size, self.max_model_len, given_by, knob)
+        refuse_too_few_pages(num_blocks, cc.block_size, self.max_model_len, given_by, knob,
+                             self.kv_cache_groups, self.config.scheduler_config.max_num_batched_tokens)
         return int(num_blocks)
 
     def plan_memory(self, memory_bytes: int | None = None, device: str | None = None,
@@ -245,6 +246,8 @@ class Worker:
             device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
             weight_bytes=weights, state_bytes=state, activation_bytes=activations,
             page_bytes=page_bytes, page_size=cc.block_size, max_model_len=self.max_model_len,
+            groups=self.kv_cache_groups,
+            chunk=self.config.scheduler_config.max_num_batched_tokens,
             kv_cache_memory_bytes=budget, given_by=given_by)
 
     def device_memory(self) -> tuple[int, str]:
@@ -254,7 +257,9 @@ class Worker:
 
     def _min_num_blocks(self) -> int:
         """A cache of one max_model_len sequence (and the null page): what sizing compiles with."""
-        return min_num_blocks(self.max_model_len, self.config.cache_config.block_size)
+        return self.kv_cache_groups.min_num_blocks(
+            self.max_model_len, self.config.cache_config.block_size,
+            self.config.scheduler_config.max_num_batched_tokens)
 
     def make_runner(self, num_blocks: int, abstract: bool = False) -> ModelRunner:
         """The ModelRunner over this worker's stages with a `num_blocks` cache: allocated, or

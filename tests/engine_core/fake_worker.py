@@ -2,8 +2,9 @@
 
 It consumes SchedulerOutput exactly as the real worker must (see
 sched_output.py): it keeps its own copy of each request's tokens and block
-table, "computes" KV by writing token ids into a fake paged cache, and reads
-every page back as attention would. So it checks the contract as well as
+tables (one per KV cache group), "computes" KV by writing token ids into a fake
+paged cache per group, and reads back every page attention would (a sliding
+window group: only the window's). So it checks the contract as well as
 feeding the scheduler: a page handed to two requests, a stale prefix-cache
 hit, a diff that disagrees with the worker's copy, or a scheduled position
 without an input token all fail an assertion here.
@@ -31,7 +32,7 @@ from jaxserve.sampling_params import SamplingParams
 @dataclass
 class _ReqState:
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     sampling_params: SamplingParams
 
@@ -58,6 +59,7 @@ class FakeWorker:
         check_kv: bool = True,
         deterministic: bool = True,
         token_fn: Callable[[str, int], int] | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """deterministic=False mixes the step number into each token, like real
         sampling: then a token the scheduler and the worker disagree on shows up."""
@@ -68,7 +70,8 @@ class FakeWorker:
         self.check_kv = check_kv
         self.deterministic = deterministic
         self.token_fn = token_fn  # (req_id, position) -> token, instead of fake_token
-        self.kv = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.windows = windows  # each KV cache group's sliding window (None: full attention)
+        self.kv = np.full((len(windows), num_blocks, block_size), -1, dtype=np.int64)
         self.reqs: dict[str, _ReqState] = {}
         self.steps: list[SchedulerOutput] = []
         self.num_executed = 0
@@ -82,7 +85,7 @@ class FakeWorker:
             assert nr.req_id not in self.reqs, f"{nr.req_id} sent twice as new"
             self.reqs[nr.req_id] = _ReqState(
                 list(nr.prompt_token_ids) + list(nr.output_token_ids),
-                list(nr.block_ids),
+                tuple(list(ids) for ids in nr.block_ids),
                 nr.num_computed_tokens,
                 nr.sampling_params,
             )
@@ -92,7 +95,9 @@ class FakeWorker:
         ):
             st = self.reqs[req_id]
             assert st.num_computed_tokens == num_computed, (req_id, st.num_computed_tokens)
-            st.block_ids.extend(new_ids)
+            assert len(new_ids) == len(self.windows)
+            for ids, new in zip(st.block_ids, new_ids):
+                ids.extend(new)
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
             cached.req_ids
         )
@@ -108,23 +113,25 @@ class FakeWorker:
             assert n > 0
             assert not drafts or end - len(drafts) == len(st.tokens), "drafts after a known token"
             assert end - len(drafts) <= len(st.tokens), f"{req_id}: position {end - 1} has no input token"
-            assert -(-end // bs) <= len(st.block_ids), f"{req_id}: no page for position {end - 1}"
-            assert 0 not in st.block_ids, "the null page was handed out"
-            if self.check_kv:
-                pos = np.arange(start, end)
-                pages = np.asarray(st.block_ids)[pos // bs]
-                self.kv[pages, pos % bs] = (st.tokens + drafts)[start:end]
+            for g, ids in enumerate(st.block_ids):
+                assert -(-end // bs) <= len(ids), f"{req_id}: no page for position {end - 1}"
+                seen = np.asarray(ids)[self._first_read(g, start) // bs : -(-end // bs)]
+                assert 0 not in seen, f"{req_id}: the null page in group {g}'s window"
+                if self.check_kv:
+                    pos = np.arange(start, end)
+                    self.kv[g, np.asarray(ids)[pos // bs], pos % bs] = \
+                        (st.tokens + drafts)[start:end]
         # ... then read all context back, as attention does.
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
             end = st.num_computed_tokens + n
             drafts = spec.get(req_id, [])
-            if self.check_kv:
-                pos = np.arange(end)
-                got = self.kv[np.asarray(st.block_ids)[pos // bs], pos % bs]
-                bad = np.nonzero(got != np.asarray((st.tokens + drafts)[:end]))[0]
-                assert bad.size == 0, f"{req_id}: stale KV at positions {bad[:8]}"
+            for g, ids in enumerate(st.block_ids if self.check_kv else ()):
+                pos = np.arange(self._first_read(g, st.num_computed_tokens), end)
+                got = self.kv[g, np.asarray(ids)[pos // bs], pos % bs]
+                bad = np.nonzero(got != np.asarray((st.tokens + drafts)[pos[0] : end]))[0]
+                assert bad.size == 0, f"{req_id}: stale KV of group {g} at positions {pos[bad[:8]]}"
             st.num_computed_tokens = end
             req_ids.append(req_id)
             if end - len(drafts) == len(st.tokens):
@@ -150,6 +157,11 @@ class FakeWorker:
             logprobs=logprobs,
         )
 
+
+    def _first_read(self, group: int, start: int) -> int:
+        """The first position a query at `start` or later reads in `group`."""
+        w = self.windows[group]
+        return 0 if w is None else max(start - w + 1, 0)
 
     def _token(self, req_id: str, position: int) -> int:
         if self.token_fn is not None:

@@ -1,10 +1,12 @@
-"""KVCacheManager: allocation, prefix lookup with chained hashes, free order, stats."""
+"""KVCacheManager: allocation, prefix lookup with chained hashes, free order, stats; sliding
+window groups giving pages back, and their prefix hits."""
 
 import pytest
 
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.engine_core.kv_cache_utils import RequestBlockHasher, hash_block_tokens
+from jaxserve.engine_core.kv_cache_utils import RequestBlockHasher, group_key, hash_block_tokens
 from jaxserve.engine_core.request import Request
+from jaxserve.kv_cache_spec import KVCacheGroups, KVCacheGroupSpec
 from jaxserve.sampling_params import SamplingParams
 
 BS = 4
@@ -30,23 +32,24 @@ def test_allocate_and_free_page_counts():
     kv = KVCacheManager(num_blocks=10, block_size=BS, max_model_len=64)
     r = make_request("a", range(10))  # 10 tokens -> 3 pages
     new, _ = admit(kv, r)
+    (new,) = new
     assert len(new) == 3 and kv.get_num_free_blocks() == 9 - 3
-    assert kv.get_block_ids("a") == [b.block_id for b in new]
+    assert kv.get_block_ids("a") == ([b.block_id for b in new],)
     r.append_output_token_ids(99)  # 11 tokens: still 3 pages
-    assert kv.allocate_slots(r, 1) == []
+    assert kv.allocate_slots(r, 1) == ([],)
     r.num_computed_tokens += 1
     r.append_output_token_ids(98)
     r.append_output_token_ids(97)  # 13 tokens -> a 4th page
-    assert len(kv.allocate_slots(r, 2)) == 1
+    assert len(kv.allocate_slots(r, 2)[0]) == 1
     kv.free(r)
-    assert kv.get_num_free_blocks() == 9 and kv.get_block_ids("a") == []
+    assert kv.get_num_free_blocks() == 9 and kv.get_block_ids("a") == ([],)
 
 
 def test_allocate_returns_none_without_side_effects_when_it_cannot_fit():
     kv = KVCacheManager(num_blocks=4, block_size=BS, max_model_len=64)  # 3 real pages
     r = make_request("a", range(13))  # needs 4 pages
     assert kv.allocate_slots(r, 13) is None
-    assert kv.get_num_free_blocks() == 3 and kv.get_block_ids("a") == []
+    assert kv.get_num_free_blocks() == 3 and kv.get_block_ids("a") == ([],)
     assert "a" not in kv.req_to_blocks
 
 
@@ -61,11 +64,11 @@ def test_prefix_hit_shares_pages_and_never_covers_the_last_token():
     a = make_request("a", range(12))  # exactly 3 full pages
     admit(kv, a)
     b = make_request("b", range(12))
-    blocks, hit = kv.get_computed_blocks(b)
+    (blocks,), hit = kv.get_computed_blocks(b)
     # 3 pages match, but the last prompt token must be computed: 2 pages.
     assert hit == 8 and len(blocks) == 2
-    assert [x.block_id for x in blocks] == kv.get_block_ids("a")[:2]
-    new, _ = admit(kv, b)
+    assert [x.block_id for x in blocks] == kv.get_block_ids("a")[0][:2]
+    (new,), _ = admit(kv, b)
     assert len(new) == 1
     assert [x.ref_cnt for x in blocks] == [2, 2]
 
@@ -75,7 +78,7 @@ def test_hash_is_chained_from_the_parent():
     admit(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Same second page, different first page: no hit at all.
     b = make_request("b", [0, 0, 0, 0, 5, 6, 7, 8, 9])
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (([],), 0)
     # Same first page only: one page.
     c = make_request("c", [1, 2, 3, 4, 0, 0, 0, 0, 9])
     assert kv.get_computed_blocks(c)[1] == 4
@@ -102,7 +105,7 @@ def test_free_is_tail_first_so_deepest_pages_are_evicted_first():
     kv = KVCacheManager(num_blocks=6, block_size=BS, max_model_len=64)
     a = make_request("a", range(12))
     admit(kv, a)
-    first, second, third = kv.get_block_ids("a")
+    (first, second, third), = kv.get_block_ids("a")
     kv.free(a)
     free_order = [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
     assert free_order[-3:] == [third, second, first]
@@ -118,7 +121,7 @@ def test_freed_pages_stay_cached_until_reused():
     kv.free(a)
     assert kv.get_num_free_blocks() == 9
     b = make_request("b", range(9))
-    new, hit = admit(kv, b)
+    (new,), hit = admit(kv, b)
     assert hit == 8 and len(new) == 1
     assert kv.get_num_free_blocks() == 9 - 3
 
@@ -138,11 +141,11 @@ def test_hit_on_free_pages_counts_against_free_pages():
 def test_lookahead_reserves_pages_but_only_computed_pages_are_cached():
     kv = KVCacheManager(num_blocks=20, block_size=BS, max_model_len=64)
     a = make_request("a", range(17))
-    new = kv.allocate_slots(a, 5, num_lookahead_tokens=12)  # chunk of 5, rest reserved
+    (new,) = kv.allocate_slots(a, 5, num_lookahead_tokens=12)  # chunk of 5, rest reserved
     assert len(new) == 5
     a.num_computed_tokens = 5
     assert kv.get_computed_blocks(make_request("b", range(17)))[1] == 4
-    assert kv.allocate_slots(a, 8) == []  # already reserved
+    assert kv.allocate_slots(a, 8) == ([],)  # already reserved
     a.num_computed_tokens = 13
     assert kv.get_computed_blocks(make_request("c", range(17)))[1] == 12
 
@@ -152,10 +155,10 @@ def test_only_real_tokens_are_cached():
     a = make_request("a", range(7))
     # Async scheduling: 7 real tokens + 1 placeholder scheduled; page 2 is not full of real tokens.
     kv.allocate_slots(a, 8)
-    assert kv.num_cached_block["a"] == 1
+    assert kv.num_cached_block["a"] == [1]
     a.append_output_token_ids(70)
     kv.cache_blocks(a, 8)
-    assert kv.num_cached_block["a"] == 2
+    assert kv.num_cached_block["a"] == [2]
 
 
 def test_prefix_cache_stats_count_admissions_and_reset():
@@ -177,7 +180,7 @@ def test_prefix_caching_disabled():
     assert a.block_hashes == []
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    assert kv.get_computed_blocks(Request("b", range(9), SamplingParams())) == ([], 0)
+    assert kv.get_computed_blocks(Request("b", range(9), SamplingParams())) == (([],), 0)
     assert kv.block_pool.cached_block_hash_to_block == {}
     assert kv.make_prefix_cache_stats().queries == 0
 
@@ -185,7 +188,7 @@ def test_prefix_caching_disabled():
 def test_slots_are_capped_at_max_model_len():
     kv = KVCacheManager(num_blocks=20, block_size=BS, max_model_len=10)
     a = make_request("a", range(9))
-    assert len(kv.allocate_slots(a, 9, num_lookahead_tokens=8)) == 3  # cdiv(10, 4)
+    assert len(kv.allocate_slots(a, 9, num_lookahead_tokens=8)[0]) == 3  # cdiv(10, 4)
 
 
 def test_usage_and_reset_prefix_cache():
@@ -198,3 +201,85 @@ def test_usage_and_reset_prefix_cache():
     assert kv.usage == 0.0
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_request("b", range(9)))[1] == 0
+
+
+# --- sliding-window groups --------------------------------------------------------
+
+
+def hybrid(*windows):
+    return KVCacheGroups(tuple(KVCacheGroupSpec((g,), w) for g, w in enumerate(windows)),
+                         num_slots=1 if len(windows) > 1 else None)
+
+
+def decode(kv, r, n):
+    """Allocate and compute n decode steps of r, one token each."""
+    for i in range(n):
+        r.append_output_token_ids(90 + i)
+        assert kv.allocate_slots(r, 1) is not None
+        r.num_computed_tokens += 1
+
+
+def test_a_sliding_group_gives_back_pages_its_window_passed():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                        kv_cache_groups=hybrid(None, 6))
+    r = make_request("a", range(10))
+    admit(kv, r)
+    for _ in range(30):
+        decode(kv, r, 1)
+        full, sliding = kv.get_block_ids("a")
+        held = [p for p in sliding if p]
+        # Decoding: the window's pages and the next token's, ceil(window / page) + 1 at most.
+        assert len(held) <= -(-6 // BS) + 1
+        # Every page the next token's window reads is still held.
+        first = r.num_computed_tokens - 6 + 1
+        assert all(sliding[i] for i in range(max(first, 0) // BS, len(sliding)))
+        assert len(full) == len(sliding) and all(full)
+    assert kv.get_num_free_blocks() == 39 - len(full) - len(held)
+    assert kv.group_usage() == [len(full) / 39, len(held) / 39]
+    kv.free(r)
+    assert kv.get_num_free_blocks() == 39 and kv.group_usage() == [0, 0]
+
+
+def test_a_sliding_prefix_hit_needs_only_the_window_pages():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                        kv_cache_groups=hybrid(None, 6))
+    a = make_request("a", range(25))
+    admit(kv, a)  # the whole prompt in one chunk: every page registered in both groups
+    kv.free(a)
+    b = make_request("b", range(25))
+    (full, sliding), hit = kv.get_computed_blocks(b)
+    assert hit == 24 and len(full) == len(sliding) == 6
+    # Token 24's window (6) starts at 19: pages 4 and 5; the four before are null.
+    assert [p.is_null for p in sliding] == [True] * 4 + [False] * 2
+    (new_full, new_sliding), _ = admit(kv, b)
+    assert len(new_full) == len(new_sliding) == 1
+    assert sum(1 for p in kv.get_block_ids("b")[1] if p) == 3
+
+    # Evict the sliding group's page 5 (its key differs from the full group's page 5): the hit
+    # falls back to the longest prefix whose window pages are all cached.
+    kv.free(b)
+    del kv.block_pool.cached_block_hash_to_block[group_key(b.block_hashes[5], 1)]
+    c = make_request("c", range(25))
+    (full, sliding), hit = kv.get_computed_blocks(c)
+    assert hit == 20 and len(full) == len(sliding) == 5
+    assert [p.is_null for p in sliding] == [True] * 3 + [False] * 2
+
+
+def test_an_all_sliding_model_has_one_group():
+    groups = KVCacheGroups.for_layers([4096] * 3)
+    assert len(groups.groups) == 1 and not groups.hybrid
+    assert groups.groups[0].sliding_window == 4096 and groups.slots(3) == 3
+
+
+def test_hybrid_groups_take_the_rarer_kinds_count():
+    # Gemma 3: every sixth layer full.
+    windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(34)]
+    groups = KVCacheGroups.for_layers(windows)
+    assert groups.num_slots == 5 and len(groups.groups) == 7
+    assert groups.groups[0].layers == (5, 11, 17, 23, 29)
+    assert groups.groups[-1].layers == (30, 31, 32, 33)
+    group_of, slot_of = groups.layer_group_slot(34)
+    assert (group_of[29], slot_of[29]) == (0, 4) and (group_of[33], slot_of[33]) == (6, 3)
+    # At 32k, 16-token pages: one full group of 2048 pages and six of 65 sliding ones.
+    assert groups.pages_per_request(32768, 16) == 2048 + 6 * 65
+    assert KVCacheGroups.for_layers(windows, hybrid=False).slots(34) == 34

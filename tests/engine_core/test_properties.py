@@ -2,8 +2,9 @@
 
 After every step: no step over its token budget or max_num_seqs, reference
 counts equal the number of block tables holding each page, the free queue holds
-exactly the unreferenced pages, and the worker's block tables equal the
-scheduler's. After draining: every page is free, every request finished exactly
+exactly the unreferenced pages, the worker's block tables equal the
+scheduler's (where a sliding window gave a page back, the scheduler's is null),
+and a sliding-window group holds no more pages than its window and a step need. After draining: every page is free, every request finished exactly
 once (or was aborted), and each token stream and finish reason equals an
 independent oracle, whatever the scheduling mode, preemptions or cache hits.
 """
@@ -22,6 +23,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.kv_cache_spec import KVCacheGroups, KVCacheGroupSpec
 from jaxserve.outputs import FinishReason
 from jaxserve.sampling_params import SamplingParams
 
@@ -30,6 +32,9 @@ from .fake_worker import FakeAsyncWorker, fake_token
 EOS = 2
 VOCAB = 64
 EOS_PROB = 0.04
+# KV cache groups' sliding windows: one full group (most models), all sliding (Mistral),
+# hybrid (Gemma 2/3, GPT-OSS).
+WINDOWS = ((None,), (None,), (5,), (None, 6, 6), (None, 3))
 PREFIXES = ([10 + (7 * i) % 50 for i in range(24)], [11 + (5 * i) % 50 for i in range(24)])
 
 
@@ -68,6 +73,7 @@ configs = st.fixed_dictionaries(
         "budget": st.integers(1, 48),
         "max_num_seqs": st.integers(1, 8),
         "chunked": st.booleans(),
+        "windows": st.sampled_from(WINDOWS),
     }
 )
 
@@ -113,7 +119,8 @@ def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerCo
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
     worker.steps.clear()
-    refs = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    refs = Counter(b.block_id for groups in kv.req_to_blocks.values() for blocks in groups
+                   for b in blocks if not b.is_null)
     free = pool.free_block_queue.get_all_free_blocks()
     assert len(free) == pool.get_num_free_blocks()
     assert {b.block_id for b in free} == {
@@ -121,13 +128,23 @@ def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerCo
     }
     for b in pool.blocks[1:]:
         assert b.ref_cnt == refs[b.block_id], b
+    assert sum(kv.group_usage()) == pytest.approx(kv.usage)
+    for g, share in enumerate(kv.group_usage()):
+        held = {b.block_id for groups in kv.req_to_blocks.values() for b in groups[g] if not b.is_null}
+        assert share * (pool.num_blocks - 1) == pytest.approx(len(held))
     for h, b in pool.cached_block_hash_to_block.items():
         assert b.block_hash == h
     assert set(kv.req_to_blocks) == {r.req_id for r in sched.running}
     assert len(sched.running) <= cfg.max_num_seqs
     for r in sched.running:
         w = worker.reqs[r.req_id]
-        assert w.block_ids == kv.get_block_ids(r.req_id)
+        for group, (mine, theirs) in enumerate(zip(kv.get_block_ids(r.req_id), w.block_ids)):
+            window = kv.windows[group]
+            assert len(mine) == len(theirs)
+            assert all(a in (b, 0) for a, b in zip(mine, theirs)) and (window or 0 not in mine)
+            if window is not None:
+                held = sum(1 for a in mine if a)
+                assert held <= -(-(window - 1 + cfg.max_num_batched_tokens) // kv.block_size) + 1
         # The worker computes from its own copy of the tokens: it must agree.
         assert w.tokens[: r.num_tokens] == r.all_token_ids, r.req_id
         assert r.num_tokens <= cfg.max_model_len and r.num_output_tokens <= r.max_tokens
@@ -144,11 +161,14 @@ def run_stream(data_cfg, op_list, async_scheduling, caching, policy, determinist
         policy=policy, enable_chunked_prefill=data_cfg["chunked"],
         async_scheduling=async_scheduling,
     )
-    num_blocks = -(-mml // bs) + 1 + data_cfg["extra_pages"]
+    windows = data_cfg.get("windows", (None,))
+    groups = KVCacheGroups(tuple(KVCacheGroupSpec((g,), w) for g, w in enumerate(windows)),
+                           num_slots=1 if len(windows) > 1 else None)
+    num_blocks = groups.min_num_blocks(mml, bs, budget) + data_cfg["extra_pages"]
     sched = Scheduler(cfg, CacheConfig(block_size=bs, enable_prefix_caching=caching),
-                      num_blocks, eos_token_id=EOS)
+                      num_blocks, eos_token_id=EOS, kv_cache_groups=groups)
     worker = FakeAsyncWorker(num_blocks, bs, vocab_size=VOCAB, eos_token_id=EOS,
-                             eos_prob=EOS_PROB, deterministic=deterministic)
+                             eos_prob=EOS_PROB, deterministic=deterministic, windows=windows)
     core = EngineCore(sched, worker, batch_queue_size=batch_queue_size)
     specs: list[Spec] = []
     tokens: dict[str, list[int]] = {}
@@ -230,7 +250,7 @@ def test_long_random_streams_under_memory_pressure(
     rng = random.Random(seed)
     data_cfg = {"block_size": rng.choice([2, 4, 8]), "max_model_len": max_model_len,
                 "extra_pages": extra_pages, "budget": budget, "max_num_seqs": max_num_seqs,
-                "chunked": rng.random() < 0.8}
+                "chunked": rng.random() < 0.8, "windows": rng.choice(WINDOWS)}
     # Three steps in flight make preemptions with tokens in flight common.
     run_stream(data_cfg, random_ops(rng, rng.randint(40, 120)), async_scheduling, caching, policy,
                deterministic=False, batch_queue_size=rng.choice([2, 3]))

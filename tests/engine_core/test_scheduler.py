@@ -31,7 +31,7 @@ def test_chunked_prefill_under_the_token_budget():
     assert so.num_scheduled_tokens == {"a": 16} and so.total_num_scheduled_tokens == 16
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == 0 and new.output_token_ids == []
-    assert len(new.block_ids) == 10  # the whole prompt's pages are reserved at admission
+    assert len(new.block_ids[0]) == 10  # the whole prompt's pages are reserved at admission
     assert outs == {}  # partial prefill: nothing sampled
     so, outs = step(sched)
     assert so.scheduled_new_reqs == [] and so.scheduled_cached_reqs.req_ids == ["a"]
@@ -43,8 +43,8 @@ def test_chunked_prefill_under_the_token_budget():
     so, outs = step(sched)
     assert so.num_scheduled_tokens == {"a": 1}  # decode
     assert so.scheduled_cached_reqs.num_computed_tokens == [40]
-    last_page = sched.kv_cache_manager.get_block_ids("a")[-1]
-    assert so.scheduled_cached_reqs.new_block_ids == [[last_page]]
+    last_page = sched.kv_cache_manager.get_block_ids("a")[0][-1]
+    assert so.scheduled_cached_reqs.new_block_ids == [([last_page],)]
 
 
 def test_new_request_data_once_then_diffs_with_new_pages():
@@ -52,12 +52,13 @@ def test_new_request_data_once_then_diffs_with_new_pages():
     sched.add_request(make_request("a", 7))
     so, _ = step(sched)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a"]
-    block_ids = list(so.scheduled_new_reqs[0].block_ids)
+    (block_ids,) = so.scheduled_new_reqs[0].block_ids
     so, _ = step(sched)  # position 7: still page 1
-    assert so.scheduled_new_reqs == [] and so.scheduled_cached_reqs.new_block_ids == [[]]
+    assert so.scheduled_new_reqs == [] and so.scheduled_cached_reqs.new_block_ids == [([],)]
     so, _ = step(sched)  # position 8: a new page
-    (new_ids,) = so.scheduled_cached_reqs.new_block_ids
-    assert len(new_ids) == 1 and block_ids + new_ids == sched.kv_cache_manager.get_block_ids("a")
+    ((new_ids,),) = so.scheduled_cached_reqs.new_block_ids
+    assert len(new_ids) == 1
+    assert (block_ids + new_ids,) == sched.kv_cache_manager.get_block_ids("a")
 
 
 def test_running_requests_are_served_before_waiting_ones():
@@ -132,7 +133,7 @@ def test_fcfs_preempts_the_latest_arrival_by_recompute():
     assert so.num_scheduled_tokens == {"a": 1}
     assert so.scheduled_new_reqs == []  # no admission in a step that preempted
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.num_preemptions == 1 and sched.kv_cache_manager.get_block_ids("b") == []
+    assert b.num_preemptions == 1 and sched.kv_cache_manager.get_block_ids("b") == ([],)
     assert [r.req_id for r in sched.waiting] == ["b", "c"]  # front of the queue
     resumed = None
     for _ in range(50):
@@ -295,7 +296,7 @@ def test_prefix_cache_hit_is_sent_as_num_computed_tokens():
     so, outs = step(sched)
     new_b = next(n for n in so.scheduled_new_reqs if n.req_id == "b")
     assert new_b.num_computed_tokens == 8 and so.num_scheduled_tokens["b"] == 4
-    assert new_b.block_ids[:2] == sched.kv_cache_manager.get_block_ids("a")[:2]
+    assert new_b.block_ids[0][:2] == sched.kv_cache_manager.get_block_ids("a")[0][:2]
     assert outs["b"].num_cached_tokens == 8
     stats = sched.make_stats().prefix_cache_stats
     assert (stats.queries, stats.hits) == (24, 8)
@@ -316,7 +317,7 @@ def test_add_request_rejects_what_can_never_run():
 
 
 def test_kv_cache_must_hold_one_request_of_max_model_len():
-    with pytest.raises(ValueError, match="--max-model-len is 64"):
+    with pytest.raises(ValueError, match="--max-model-len 64 needs 16"):
         make_scheduler(num_blocks=16, max_model_len=64)  # 15 pages * 4 = 60 tokens
     make_scheduler(num_blocks=17, max_model_len=64)
 

@@ -73,17 +73,28 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int
 
 
 def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> None:
-    """Chunked prefill (8-token steps) over a 50-token prompt with a window of 8, the
-    platform's attention kernel, and decoding past it: transformers' greedy tokens."""
+    """Chunked prefill (8-token steps) over prompts up to eight windows long (window 8), the
+    platform's attention kernel, decoding past them, sliding groups giving pages back, prefix
+    hits and preemption in a cache too small for all at once: transformers' greedy tokens."""
     from jaxserve import LLM, SamplingParams
 
     model_dir = tiny_gemma("gemma3", str(tmp_path))
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4,
-              max_num_batched_tokens=8, block_size=4, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=48,
               enforce_eager=True)
+    groups = llm.config.resolved.kv_cache_groups
+    assert [g.sliding_window for g in groups.groups] == [None, WINDOW, WINDOW, WINDOW]
+    # Four long requests do not fit 47 pages at once: some are preempted and resumed.
+    prompts = PROMPTS + [list(range(70, 6, -1)), PROMPTS[2], PROMPTS[0] + [7, 8, 9]]
+    want = hf_greedy(model_dir, prompts, 16)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, PROMPTS, 16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want[:5]
+    assert llm.engine_core.scheduler.total_num_preemptions > 0
+    # A prefix hit: the full group's 12 pages, the sliding groups' last two (the window).
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompts[5]}], greedy, use_tqdm=False)
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want[5]
 
 
 @pytest.mark.slow

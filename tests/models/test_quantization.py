@@ -111,7 +111,7 @@ def test_layer_int8_weights_move_to_their_collection_and_back(tmp_path) -> None:
     # model.init declares the same split, and param_tree gives the loaders' layout.
     ids = jnp.zeros((4,), jnp.int32)
     from jaxserve.models import AttentionMetadata
-    md = AttentionMetadata(ids, ids[:1], jnp.zeros((1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
+    md = AttentionMetadata(ids[None], ids[:1], jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((2,), jnp.int32), ids[:1])
     model = LlamaForCausalLM(arch, ModelOptions(weight_format=WeightFormat.INT8))
     init = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape), md))
     assert INT8_LAYERS in init
@@ -167,7 +167,7 @@ def test_cpu_int8_kernel_only_without_tensor_parallelism(tmp_path) -> None:
     arch, params = load_checkpoint(model_dir, np.float32)
     variables = model_variables(quantize_params(params, WeightFormat.INT8))
     ids = jnp.zeros((4,), jnp.int32)
-    md = AttentionMetadata(ids, jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32),
+    md = AttentionMetadata(ids[None], jnp.array([4], jnp.int32), jnp.zeros((1, 1, 2), jnp.int32),
                            jnp.array([0, 4], jnp.int32), jnp.array([1], jnp.int32))
     cache = jnp.zeros(LlamaForCausalLM(arch).kv_cache(3, 16).shape)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "stage", "model"))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.worker.kv_sizing import GiB, InsufficientMemoryError, plan_kv_cache
 
 FIGURES = dict(device="TPU v6 lite", memory_bytes=32 * GiB, utilization=0.9,
                weight_bytes=16 * GiB, state_bytes=GiB // 8, activation_bytes=2 * GiB,
-               page_bytes=16 * 128 * 1024, page_size=16, max_model_len=8192)
+               page_bytes=16 * 128 * 1024, page_size=16, max_model_len=8192,
+               groups=FULL_ATTENTION, chunk=512)
 
 
 def test_pages_are_what_is_left_after_weights_state_and_activations() -> None:
@@ -19,6 +21,20 @@ def test_pages_are_what_is_left_after_weights_state_and_activations() -> None:
     assert plan.max_concurrent_seqs == (plan.num_pages - 1) // 512
     assert "TPU v6 lite: 32.00 GiB x 0.9 = 28.80 GiB usable" in plan.summary()
     assert plan_kv_cache(**{**FIGURES, "kv_cache_memory_bytes": 2 * GiB}).num_pages == 1024
+
+
+def test_sliding_groups_fit_more_long_sequences_in_the_same_memory() -> None:
+    # Gemma-3-4B's layers at 32k: 34 layers in one group, or 5 slots in 7 groups.
+    windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(34)]
+    layer_page = 16 * 4 * 1024  # 16 tokens of one layer
+    same = dict(FIGURES, max_model_len=32768, weight_bytes=8 * GiB)
+    full = plan_kv_cache(**{**same, "page_bytes": 34 * layer_page,
+                            "groups": KVCacheGroups.for_layers(windows, hybrid=False)})
+    hybrid = plan_kv_cache(**{**same, "page_bytes": 5 * layer_page,
+                              "groups": KVCacheGroups.for_layers(windows)})
+    assert hybrid.cache_bytes <= full.cache_bytes + hybrid.page_bytes
+    assert hybrid.max_concurrent_seqs >= 5 * full.max_concurrent_seqs
+    assert "7 groups of 5 layers: 1 full attention, 6 sliding window 1024" in hybrid.summary()
 
 
 def test_weights_that_do_not_fit_are_refused_naming_the_box_and_knobs() -> None:

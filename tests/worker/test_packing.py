@@ -28,9 +28,11 @@ def test_round_trip_of_every_kind() -> None:
 def test_step_layout_holds_request_rows_for_the_tokens_only() -> None:
     """A T-token step carries min(T, max_num_seqs) page-table rows, not max_num_seqs."""
     small = dict((name, shape) for name, shape, _ in StepInputs.packing(1, 256, 512, 256).fields)
-    assert small["page_indices"] == (1, 512) and small["kv_lens"] == (1,)
+    assert small["page_indices"] == (1, 1, 512) and small["kv_lens"] == (1,)  # one KV group
     big = dict((name, shape) for name, shape, _ in StepInputs.packing(2048, 256, 512, 256).fields)
-    assert big["page_indices"] == (256, 512) and big["input_ids"] == (2048,)
+    assert big["page_indices"] == (1, 256, 512) and big["input_ids"] == (2048,)
+    hybrid = dict((name, shape) for name, shape, _ in StepInputs.packing(8, 4, 16, 4, 3).fields)
+    assert hybrid["page_indices"] == (3, 4, 16) and hybrid["slot_mapping"] == (3, 8)
     # With drafts to verify (speculative decoding), more logits rows than requests.
     spec = dict((name, shape) for name, shape, _ in StepInputs.packing(2048, 256, 512, 1280).fields)
     assert spec["logits_indices"] == (1280,) and spec["kv_lens"] == (256,)

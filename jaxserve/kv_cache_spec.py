@@ -1,0 +1,145 @@
+"""Which layers share a block table: the KV cache groups (vLLM's `KVCacheSpec` and
+`KVCacheGroupSpec`), decided once from the model's layer kinds.
+
+Every page of the pool has the same size: one token block of `num_slots` layers. A group is
+`num_slots` layers of one kind; a page handed to a group holds those layers' K/V, slot i for
+the group's i-th layer. Gemma-3-4B (5 full layers, 29 sliding ones, window 1024) at 32k:
+
+    cache [num_slots=5, num_pages, page_size, ...]      (was [34 layers, num_pages, ...])
+    group 0  full      layers 5 11 17 23 29   2048 pages per request
+    group 1  sliding   layers 0 1 2 3 4          65 pages per request (its window)
+    ...
+    group 6  sliding   layers 30 31 32 33 (-)    65 (slot 4 unused)
+
+A sliding group keeps only the pages its window can still read (engine_core/kv_cache_manager.py), so the
+pages a long request holds fall from layers x context to about slots x (context + groups x
+window). Models whose layers are all alike have one group with one slot per layer, the cache
+as it always was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One block table's layers (slot i holds `layers[i]`) and what they attend over."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None  # None: full attention (vLLM's FullAttentionSpec)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))  # a list off the wire
+
+    @property
+    def kind(self) -> str:
+        return "full_attention" if self.sliding_window is None else "sliding_window"
+
+    def max_pages(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Pages one request of `num_tokens` holds at most while computing `chunk` tokens a
+        step: every page for full attention; for a sliding window the pages covering the
+        window before the step's first token and the step's own tokens."""
+        every = cdiv(num_tokens, block_size)
+        if self.sliding_window is None:
+            return every
+        return min(every, cdiv(self.sliding_window - 1 + chunk, block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """The groups of one engine's cache (a frozen, hashable setting: it travels in
+    ResolvedConfig to the scheduler, the worker and the model)."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    # Layers per group, the cache's first axis; None: one group, one slot per layer of the
+    # stage (every pipeline stage its own layers).
+    num_slots: int | None = None
+
+    @classmethod
+    def for_layers(cls, windows: Sequence[int | None], hybrid: bool = True) -> KVCacheGroups:
+        """Groups for layers whose windows are `windows` (None: full attention). Layers of two
+        kinds get groups of the rarer kind's count (vLLM's uniform page size), unless `hybrid`
+        is False: then every layer keeps every page in one full-attention group."""
+        kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+        layers = tuple(range(len(windows)))
+        if len(kinds) == 1:
+            return cls((KVCacheGroupSpec(layers, kinds[0]),))
+        if not hybrid:
+            return cls((KVCacheGroupSpec(layers, None),))
+        by_kind = [[i for i, w in enumerate(windows) if w == k] for k in kinds]
+        size = min(len(ls) for ls in by_kind)
+        groups = tuple(KVCacheGroupSpec(tuple(ls[i : i + size]), k)
+                       for k, ls in zip(kinds, by_kind) for i in range(0, len(ls), size))
+        return cls(groups, size)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_slots is not None
+
+    @property
+    def has_sliding(self) -> bool:
+        return any(g.sliding_window is not None for g in self.groups)
+
+    def layer_group_slot(self, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each layer's group and slot (for one group: group 0, slot = the layer)."""
+        if not self.hybrid:
+            return (0,) * num_layers, tuple(range(num_layers))
+        group, slot = [0] * num_layers, [0] * num_layers
+        for g, spec in enumerate(self.groups):
+            for s, layer in enumerate(spec.layers):
+                group[layer], slot[layer] = g, s
+        return tuple(group), tuple(slot)
+
+    def slots(self, num_layers: int) -> int:
+        """The cache's first axis for a stage of `num_layers` layers."""
+        return num_layers if self.num_slots is None else self.num_slots
+
+    def pages_per_request(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """Pages (of every group) one request of `num_tokens` holds at most, computing `chunk`
+        tokens a step (1: decoding)."""
+        return sum(g.max_pages(num_tokens, block_size, chunk) for g in self.groups)
+
+    def min_num_blocks(self, max_model_len: int, block_size: int, chunk: int) -> int:
+        """The smallest cache the engine accepts: one max_model_len request computing up to
+        `chunk` tokens a step, and the null page (so a request alone can always grow to
+        max_model_len, and preemption never livelocks)."""
+        return self.pages_per_request(max_model_len, block_size, chunk) + 1
+
+    def longest_fitting(self, num_blocks: int, block_size: int, chunk: int) -> int:
+        """The largest max_model_len whose min_num_blocks is at most `num_blocks` (0: none)."""
+        lo, hi = 0, 1 << 26
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.min_num_blocks(mid, block_size, chunk) <= num_blocks \
+                else (lo, mid - 1)
+        return lo
+
+    def check_holds(self, num_blocks: int, max_model_len: int, block_size: int,
+                    chunk: int) -> None:
+        """ValueError, naming the flags, for a cache smaller than min_num_blocks."""
+        need = self.min_num_blocks(max_model_len, block_size, chunk)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache holds {num_blocks - 1} pages of {block_size} tokens but one "
+                f"request of --max-model-len {max_model_len} needs {need - 1} "
+                f"({self.describe()}); lower --max-model-len or give the KV cache more memory")
+
+    def describe(self) -> str:
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            return ("one group, full attention" if g.sliding_window is None
+                    else f"one group, sliding window {g.sliding_window}")
+        full = sum(g.sliding_window is None for g in self.groups)
+        window = next(g.sliding_window for g in self.groups if g.sliding_window is not None)
+        return (f"{len(self.groups)} groups of {self.num_slots} layers: {full} full attention, "
+                f"{len(self.groups) - full} sliding window {window}")
+
+
+FULL_ATTENTION = KVCacheGroups((KVCacheGroupSpec(()),))

@@ -90,9 +90,12 @@ class PreflightReport:
             "memory_bytes": m.memory_bytes, "usable_bytes": m.usable_bytes,
             "gpu_memory_utilization": m.utilization, "weight_bytes": m.weight_bytes,
             "activation_bytes": m.activation_bytes, "state_bytes": m.state_bytes,
-            "kv_cache_bytes": m.cache_bytes, "kv_bytes_per_token": m.page_bytes // m.page_size,
+            "kv_cache_bytes": m.cache_bytes, "kv_bytes_per_token": m.bytes_per_token,
             "num_pages": m.num_pages, "page_size": m.page_size, "max_model_len": m.max_model_len,
-            "max_concurrent_seqs": m.max_concurrent_seqs}
+            "max_concurrent_seqs": m.max_concurrent_seqs,
+            "max_concurrent_seqs_every_page_kept": m.seqs_keeping_every_page,
+            "kv_cache_groups": [{"group": name, "pages_per_seq": n}
+                                for name, n in m.group_pages()]}
         return {
             "ok": self.ok, "error": self.error, "target": self.target, "device": self.device,
             "num_devices": self.num_devices, "model": self.model,
@@ -124,8 +127,13 @@ class PreflightReport:
                 "temp + outputs, from the compiler)",
                 f"  sampler state    {fmt_bytes(m.state_bytes):>12}",
                 f"  KV cache         {fmt_bytes(m.cache_bytes):>12}  = {m.num_pages} pages of "
-                f"{m.page_size} tokens, {fmt_bytes(m.page_bytes // m.page_size)} per token",
-                f"  -> {m.max_concurrent_seqs} sequences of {m.max_model_len} tokens at once"]
+                f"{m.page_size} tokens, {fmt_bytes(m.bytes_per_token)} per token of context"]
+            if len(m.groups.groups) > 1 or m.groups.has_sliding:
+                lines += [f"    group {i}: {name}: {n} pages per sequence"
+                          for i, (name, n) in enumerate(m.group_pages())]
+            lines.append(f"  -> {m.max_concurrent_seqs} sequences of {m.max_model_len} tokens at "
+                         "once" + (f" ({m.seqs_keeping_every_page} if every layer kept every page)"
+                                   if m.groups.has_sliding else ""))
         if self.programs:
             warm = sum(p.at_warm_up for p in self.programs)
             failed = [p for p in self.programs if not p.ok]

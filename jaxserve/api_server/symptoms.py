@@ -89,16 +89,34 @@ def diagnose(store: TraceStore, metrics: ServerMetrics, facts: ServerFacts,
             "variant: grammar mask, prompt logprobs): check --max-num-batched-tokens / "
             "--max-num-seqs, and keep the persistent compilation cache"))
 
-    # kv_cache_manager: preemptions or a full cache.
+    # kv_cache_manager: preemptions or a full cache; with sliding-window layers, which kind
+    # of layers holds the pages says which remedy helps.
     preempted = [s for s in summaries if s["num_preemptions"]]
     if preempted or live["kv_cache_usage"] > 0.95:
+        sliding = live.get("kv_cache_usage_sliding_window")
+        full = live.get("kv_cache_usage_full_attention") or 0.0
+        evidence = (f"{len(preempted)} recent requests were preempted "
+                    f"({sum(s['num_preemptions'] for s in preempted)} times); KV usage now "
+                    f"{100 * live['kv_cache_usage']:.0f}%")
+        if sliding is None:
+            kind, advice = "", ("give the KV cache more memory (--kv-cache-memory-bytes or "
+                                "--gpu-memory-utilization), lower --max-num-seqs, or shorten "
+                                "--max-model-len")
+        else:
+            evidence += (f" (full-attention layers' pages {100 * full:.0f}%, sliding-window "
+                         f"layers' {100 * sliding:.0f}%)")
+            if sliding > full:
+                kind, advice = " by sliding-window layers", (
+                    "each running request holds its window's pages whatever its length: lower "
+                    "--max-num-seqs, or give the KV cache more memory (--kv-cache-memory-bytes "
+                    "or --gpu-memory-utilization)")
+            else:
+                kind, advice = " by full-attention layers", (
+                    "long contexts hold the pages: shorten --max-model-len or give the KV cache "
+                    "more memory (--kv-cache-memory-bytes or --gpu-memory-utilization)")
         findings.append(_finding(
-            "KV cache full: requests preempted and recomputed", "kv_cache_manager",
-            f"{len(preempted)} recent requests were preempted "
-            f"({sum(s['num_preemptions'] for s in preempted)} times); KV usage now "
-            f"{100 * live['kv_cache_usage']:.0f}%",
-            "give the KV cache more memory (--kv-cache-memory-bytes or --gpu-memory-utilization), "
-            "lower --max-num-seqs, or shorten --max-model-len"))
+            f"KV cache full{kind}: requests preempted and recomputed", "kv_cache_manager",
+            evidence, advice))
 
     # api_server: tokens reached the engine's output long before the API server handled them.
     lags = [lag for t in traces if (lag := _output_lag(t)) is not None]

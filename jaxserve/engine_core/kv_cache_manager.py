@@ -70,8 +70,15 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def group_usage(self) -> list[float]:
-        """The fraction of all pages each group holds (they add up to `usage`), for /debug."""
+        """The fraction of all pages each group holds (they add up to `usage`)."""
         return [n / (self.block_pool.num_blocks - 1) for n in self.group_pages]
+
+    def usage_by_kind(self) -> dict[str, float]:
+        """`group_usage` summed by the groups' kind, for /debug."""
+        out: dict[str, float] = {}
+        for spec, share in zip(self.kv_cache_groups.groups, self.group_usage()):
+            out[spec.kind] = out.get(spec.kind, 0.0) + share
+        return out
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Counters since the previous call; resets them."""

@@ -13,7 +13,8 @@ prefill and prefix-cache hits:
 Running requests are served first, in order; when pages run out the worst one
 (FCFS: latest arrival; PRIORITY: highest priority value, then latest arrival)
 is preempted by recompute. Waiting requests are admitted only when their whole
-remaining prompt fits in free pages, and never in a step that preempted.
+remaining prompt fits in free pages (a sliding-window group's: the first chunk's,
+since it gives pages back as the window moves), and never in a step that preempted.
 
 Pipeline microbatches (`num_microbatches` > 1, without async scheduling): up to
 that many steps are in flight, each with its own requests (one in flight is not
@@ -437,6 +438,7 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage_by_kind=self.kv_cache_manager.usage_by_kind(),
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=self.drafter.take_stats() if self.drafter is not None else None,

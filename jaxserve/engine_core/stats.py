@@ -52,3 +52,6 @@ class SchedulerStats:
     num_preemptions: int = 0  # since the previous snapshot
     step_stats: StepStats | None = None  # None with request tracing off
     spec_decoding_stats: SpecDecodingStats | None = None
+    # kv_cache_usage split by the kind of KV cache group holding the pages ("full_attention",
+    # "sliding_window"); they add up to kv_cache_usage.
+    kv_cache_usage_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)

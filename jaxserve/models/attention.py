@@ -145,17 +145,14 @@ def paged_attention(
     return out, flat.reshape(kv_cache.shape)
 
 
-def group_view(groups: KVCacheGroups, num_layers: int, layer_idx: jax.Array,
+def group_view(groups: KVCacheGroups, kv_id: jax.Array,
                md: AttentionMetadata) -> tuple[jax.Array, AttentionMetadata]:
-    """Layer `layer_idx`'s cache slot, and the step's metadata with its group's block table
-    and slots (the step carries one per group: `[G, ...]`)."""
-    if not groups.hybrid:
-        return layer_idx, dataclasses.replace(md, slot_mapping=md.slot_mapping[0],
-                                              page_indices=md.page_indices[0])
-    group_of, slot_of = groups.layer_group_slot(num_layers)
-    g = jnp.asarray(group_of, jnp.int32)[layer_idx]
-    return jnp.asarray(slot_of, jnp.int32)[layer_idx], dataclasses.replace(
-        md, slot_mapping=md.slot_mapping[g], page_indices=md.page_indices[g])
+    """A layer's cache slot (`kv_id`: its group and slot, KVCacheGroups.layer_group_slot),
+    and the step's metadata with its group's block table and slots (the step carries one
+    per group: `[G, ...]`)."""
+    g = kv_id[0] if groups.hybrid else 0
+    return kv_id[1], dataclasses.replace(md, slot_mapping=md.slot_mapping[g],
+                                         page_indices=md.page_indices[g])
 
 
 class Attention(nn.Module):
@@ -167,6 +164,7 @@ class Attention(nn.Module):
         self,
         x: jax.Array,  # [T, hidden]
         layer_idx: jax.Array,  # int32[]
+        kv_id: jax.Array,  # int32[2]: the layer's KV cache group and slot
         cos: jax.Array,
         sin: jax.Array,
         kv_cache: jax.Array,
@@ -178,7 +176,7 @@ class Attention(nn.Module):
             return make_dense(n, bias, opts.dtype, opts.weight_format, name, cfg.num_hidden_layers,
                               cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size,
                               act_order=opts.weight_act_order)
-        slot, md = group_view(opts.kv_cache_groups, cfg.num_hidden_layers, layer_idx, md)
+        slot, md = group_view(opts.kv_cache_groups, kv_id, md)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)

@@ -30,6 +30,7 @@ class GemmaDecoderLayer(nn.Module):
         self,
         carry: tuple[jax.Array, jax.Array],
         layer_idx: jax.Array,
+        kv_id: jax.Array,  # int32[2]: the layer's KV cache group and slot
         cos: jax.Array,
         sin: jax.Array,
         md: AttentionMetadata,
@@ -41,7 +42,7 @@ class GemmaDecoderLayer(nn.Module):
             return RMSNorm(cfg.rms_norm_eps, opts.dtype, 1.0, name=name)
 
         attn_out, kv_cache = Attention(cfg, opts, name="self_attn")(
-            norm("input_layernorm")(h), layer_idx, cos, sin, kv_cache, md)
+            norm("input_layernorm")(h), layer_idx, kv_id, cos, sin, kv_cache, md)
         h = h + norm("post_attention_layernorm")(attn_out)
         mlp = SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, opts.weight_format,
                      cfg.num_hidden_layers, opts.cpu_kernel, "gelu_pytorch_tanh",

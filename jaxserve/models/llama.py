@@ -24,6 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels_pallas
 from jaxserve.config import WeightFormat
@@ -47,6 +48,7 @@ class DecoderLayer(nn.Module):
         self,
         carry: tuple[jax.Array, jax.Array],
         layer_idx: jax.Array,
+        kv_id: jax.Array,  # int32[2]: the layer's KV cache group and slot
         cos: jax.Array,
         sin: jax.Array,
         md: AttentionMetadata,
@@ -55,7 +57,7 @@ class DecoderLayer(nn.Module):
         cfg, opts = self.cfg, self.opts
         attn_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="input_layernorm")(h)
         attn_out, kv_cache = Attention(cfg, opts, name="self_attn")(
-            attn_in, layer_idx, cos, sin, kv_cache, md
+            attn_in, layer_idx, kv_id, cos, sin, kv_cache, md
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="post_attention_layernorm")(h)
@@ -89,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
             # Whole stacks, indexed by layer inside: int8 weights, a MixedMLP's.
             variable_broadcast=[INT8_LAYERS, MLP_STACKS],
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
             unroll=opts.scan_unroll(cfg.num_hidden_layers),
         )(cfg, opts)
@@ -141,7 +143,12 @@ class LlamaForCausalLM(nn.Module):
         plan = make_plan(None) if cfg.local_layers is None else (make_plan(False), make_plan(True))
         md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
-        (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, cos, sin, md)
+        # Scanned like the layer index, not looked up from it: unrolled (GPU), each layer's
+        # group and slot are then constants (a lookup left two scalars a layer, and XLA's
+        # fusion of the slot offsets spilled registers on an H100 at 62 layers).
+        kv_ids = jnp.asarray(np.stack(
+            self.opts.kv_cache_groups.layer_group_slot(self.cfg.num_hidden_layers), 1), jnp.int32)
+        (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, kv_ids, cos, sin, md)
         return h, kv_cache
 
     def final_norm(self, h: jax.Array) -> jax.Array:

@@ -70,6 +70,26 @@ class MemoryPlan:
         return max(self.num_pages - 1, 0) // self.seq_pages
 
     @property
+    def seqs_keeping_every_page(self) -> int:
+        """max_concurrent_seqs if every layer kept every page (no sliding-window groups), in
+        the same cache bytes: what the groups gain."""
+        g = self.groups
+        layers = sum(len(spec.layers) for spec in g.groups) if g.hybrid else 0
+        full_page = self.page_bytes // g.num_slots * layers if g.hybrid else self.page_bytes
+        per_seq = -(-self.max_model_len // self.page_size)
+        return max(self.cache_bytes // full_page - 1, 0) // per_seq
+
+    def group_pages(self) -> list[tuple[str, int]]:
+        """(group, pages one decoding max_model_len sequence holds in it) per group."""
+        out = []
+        for spec in self.groups.groups:
+            kind = ("full attention" if spec.sliding_window is None
+                    else f"sliding window {spec.sliding_window}")
+            out.append((f"{kind}, {len(spec.layers) or 'all'} layers",
+                         spec.max_pages(self.max_model_len, self.page_size)))
+        return out
+
+    @property
     def bytes_per_token(self) -> int:
         """Cache bytes a token of context costs (a max_model_len sequence's share)."""
         return self.seq_pages * self.page_bytes // self.max_model_len

@@ -81,6 +81,17 @@ def test_live_counters_alone_are_evidence() -> None:
     counters.record_scheduler_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=9, kv_cache_usage=0.99))
     found = diagnose(TraceStore(), counters, FACTS)
     assert boxes(found) == ["scheduler", "kv_cache_manager"]
+    # A hybrid model's full cache: the kind of layers holding most pages picks the advice.
+    for by_kind, kind, knob in (({"full_attention": 0.3, "sliding_window": 0.69},
+                                 "sliding-window", "--max-num-seqs"),
+                                ({"full_attention": 0.9, "sliding_window": 0.09},
+                                 "full-attention", "--max-model-len")):
+        counters = ServerMetrics("m")
+        counters.record_scheduler_stats(SchedulerStats(kv_cache_usage=0.99,
+                                                       kv_cache_usage_by_kind=by_kind))
+        [f] = diagnose(TraceStore(), counters, FACTS)
+        assert f["symptom"].startswith(f"KV cache full by {kind} layers") and knob in f["advice"]
+        assert f"{kind} layers' pages" in f["evidence"] or f"{kind} layers'" in f["evidence"]
     eager = ServerFacts(4, 512, enforce_eager=True)
     counters = ServerMetrics("m")
     counters.record_scheduler_stats(SchedulerStats(step_stats=StepStats(num_compiles=5, compile_s=2.0)))

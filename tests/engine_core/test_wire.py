@@ -7,6 +7,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from jaxserve.kv_cache_spec import KVCacheGroups
+
 from jaxserve.engine.messages import EngineCoreRequest, EngineReady
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import PrefixCacheStats, SchedulerStats, StepStats
@@ -23,10 +25,12 @@ RECORDS = [
                       pooling_params=PoolingParams("MEAN", normalize=False)),
     EngineReady(100, 16, 49152, 64, {"load_s": 1.5, "compile_s": 20.0},
                 ResolvedConfig("cpu", "float32", WeightFormat.BF16_PACKED, "why", "cpu", 2048,
-                               KVCacheDtype.FP8_E5M2)),
+                               KVCacheDtype.FP8_E5M2,
+                               kv_cache_groups=KVCacheGroups.for_layers([None, 8, 8, None]))),
     StepTrace(7, 1.0, 1.1, 4, 64, 1.2, 1.3, 1.5, 1.6, 0.01, 1, 0.5),
     SchedulerStats(3, 1, 0.25, PrefixCacheStats(2, 100, 40), 1,
-                   StepStats(10, 0.02, 3.5, 1, 0.5), SpecDecodingStats(3, 4, 12, 7, [3, 2, 2])),
+                   StepStats(10, 0.02, 3.5, 1, 0.5), SpecDecodingStats(3, 4, 12, 7, [3, 2, 2]),
+                   {"full_attention": 0.2, "sliding_window": 0.05}),
     SchedulerStats(),  # optional nested records absent
 ]
 

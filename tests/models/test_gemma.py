@@ -1,6 +1,7 @@
 """Gemma 2 and Gemma 3 (text) against transformers, float32, on tiny random checkpoints:
 logits within 1e-4 with sliding and full layers mixed in one layer scan, soft caps and Gemma
-3's two ropes; greedy tokens through the engine on a prompt longer than the window."""
+3's two ropes; through the engine (and its sliding-window KV cache groups), greedy tokens and
+prompt logprobs on prompts longer than the window, for Gemma 2, Gemma 3 and Mistral."""
 
 from __future__ import annotations
 
@@ -72,19 +73,34 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int
                             do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> None:
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> np.ndarray:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, from transformers' logits."""
+    import torch
+
+    logits = torch.tensor(hf_logits(model_dir, prompt), dtype=torch.float64)
+    lp = torch.log_softmax(logits, -1)[:-1]
+    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])
+def test_sliding_windows_through_the_engine(kind: str, tmp_path) -> None:
     """Chunked prefill (8-token steps) over prompts up to eight windows long (window 8), the
     platform's attention kernel, decoding past them, sliding groups giving pages back, prefix
-    hits and preemption in a cache too small for all at once: transformers' greedy tokens."""
+    hits and preemption in a cache too small for all at once: transformers' greedy tokens and
+    prompt logprobs. Gemma 3: a full group and three sliding ones; Gemma 2: one of each;
+    Mistral: one all-sliding group."""
     from jaxserve import LLM, SamplingParams
 
-    model_dir = tiny_gemma("gemma3", str(tmp_path))
+    model_dir = (save_tiny_hf("mistral", str(tmp_path), sliding_window=WINDOW)
+                 if kind == "mistral" else tiny_gemma(kind, str(tmp_path)))
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4,
-              max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=48,
-              enforce_eager=True)
+              max_num_batched_tokens=8, block_size=4,
+              num_gpu_blocks_override=10 if kind == "mistral" else 48, enforce_eager=True)
     groups = llm.config.resolved.kv_cache_groups
-    assert [g.sliding_window for g in groups.groups] == [None, WINDOW, WINDOW, WINDOW]
-    # Four long requests do not fit 47 pages at once: some are preempted and resumed.
+    assert [g.sliding_window for g in groups.groups] == {
+        "gemma3": [None, WINDOW, WINDOW, WINDOW], "gemma2": [None, WINDOW], "mistral": [WINDOW],
+    }[kind]
+    # Four long requests do not fit the cache at once: some are preempted and resumed.
     prompts = PROMPTS + [list(range(70, 6, -1)), PROMPTS[2], PROMPTS[0] + [7, 8, 9]]
     want = hf_greedy(model_dir, prompts, 16)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -95,6 +111,11 @@ def test_gemma3_prompt_longer_than_its_window_through_the_engine(tmp_path) -> No
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, use_tqdm=False)
     (out,) = llm.generate([{"prompt_token_ids": prompts[5]}], greedy, use_tqdm=False)
     assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want[5]
+    # Prompt logprobs over every chunk of a prompt eight windows long.
+    with_lps = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], with_lps, use_tqdm=False)
+    ours = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+    assert np.abs(np.asarray(ours) - hf_prompt_logprobs(model_dir, PROMPTS[0])).max() <= 2e-3
 
 
 @pytest.mark.slow

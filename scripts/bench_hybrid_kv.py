@@ -7,9 +7,10 @@ so more requests run at once; `--disable-hybrid-kv-cache-manager` keeps every pa
 layer (one group), the cache as it was before the groups. The two modes alternate in one run.
 
 Reported per mode: pages of the cache, the most requests running at once, the run's wall time,
-and a decode phase (short prompts that fit either way) in output tokens per second.
+and a decode phase (as many 200-token prompts, 128 tokens out: they fit either way) in output
+tokens per second.
 
-    python scripts/bench_hybrid_kv.py [--prompt-tokens 6000] [--requests 16] [--rounds 1]
+    python scripts/bench_hybrid_kv.py [--prompt-tokens 6000] [--requests 32] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def run_mode(model: str, hybrid: bool, args: argparse.Namespace) -> dict[str, fl
     rng = random.Random(0)
     long = [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(args.prompt_tokens)]}
             for _ in range(args.requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # Long enough outputs that finished prompts keep decoding while later ones prefill: the
+    # most running at once is then what the cache holds.
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     llm.generate(long, params, use_tqdm=False)
     long_s = time.perf_counter() - t0
+    sched.schedule = schedule
     short = [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(200)]}
              for _ in range(args.requests)]
     decode = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -84,7 +88,8 @@ def run_mode(model: str, hybrid: bool, args: argparse.Namespace) -> dict[str, fl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=6000)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--kv-bytes", type=int, default=100 << 20)

@@ -4,7 +4,10 @@ The worker is replaced by a prebuilt ModelRunnerOutput (its construction is not
 timed): this measures only what the engine core adds to every step. Target:
 under 1 ms per step at 256 running requests, growing linearly.
 
-    python scripts/bench_scheduler.py [--steps 300]
+    python scripts/bench_scheduler.py [--steps 300] [--kv-groups gemma3]
+
+`--kv-groups gemma3`: Gemma 3's KV cache groups (one full-attention group, six sliding-window
+ones, a 128-token window so decoding passes it): each step then also gives pages back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -26,6 +30,8 @@ BLOCK_SIZE = 16
 # time other processes hold the core (multi-millisecond OS time slices).
 CLOCKS = [time.thread_time_ns]
 FREEZE_GC = [True]
+GROUPS = [FULL_ATTENTION]
+GEMMA3 = KVCacheGroups.for_layers([None if (i + 1) % 6 == 0 else 128 for i in range(34)])
 
 
 def fake_output(sched: Scheduler, so: SchedulerOutput, step: int) -> ModelRunnerOutput:
@@ -47,8 +53,9 @@ def make_scheduler(num_running: int, budget: int, max_model_len: int, num_blocks
         SchedulerConfig(max_num_seqs=num_running + 8, max_num_batched_tokens=budget,
                         max_model_len=max_model_len, async_scheduling=async_scheduling),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching),
-        num_blocks=num_blocks,
+        num_blocks=num_blocks * len(GROUPS[0].groups),
         eos_token_id=2,
+        kv_cache_groups=GROUPS[0],
     )
 
 
@@ -119,8 +126,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave start-up objects to the garbage collector (full-collection pauses)")
+    ap.add_argument("--kv-groups", choices=["full", "gemma3"], default="full")
     args = ap.parse_args()
     FREEZE_GC[0] = not args.no_gc_freeze
+    GROUPS[0] = GEMMA3 if args.kv_groups == "gemma3" else FULL_ATTENTION
     rows = []
     for name, fn, n in [
         ("decode", decode_scenario, 256),

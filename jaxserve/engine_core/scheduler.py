@@ -51,10 +51,9 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-    """The engine core's scheduler. `num_blocks` (KV pages, page 0 included)
-    comes from the worker's memory profiling; `eos_token_id` is used for
-    requests that do not carry their own; `kv_cache_groups` is the resolved
-    config's."""
+    """The engine core's scheduler. `num_blocks` (KV pages, page 0 included) comes from
+    the worker's memory profiling, `kv_cache_groups` from the resolved config;
+    `eos_token_id` is used for requests that do not carry their own."""
 
     def __init__(
         self,

@@ -144,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         md = dataclasses.replace(md, plan=plan)
         layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
         # Scanned like the layer index, not looked up from it: unrolled (GPU), each layer's
-        # group and slot are then constants (a lookup left two scalars a layer, and XLA's
-        # fusion of the slot offsets spilled registers on an H100 at 62 layers).
+        # group and slot are then constants (looked up, they were two scalars a layer, and
+        # XLA's fusion of the slot offsets spilled registers: docs/benchmarks.md,
+        # "Sliding-window groups").
         kv_ids = jnp.asarray(np.stack(
             self.opts.kv_cache_groups.layer_group_slot(self.cfg.num_hidden_layers), 1), jnp.int32)
         (h, kv_cache), _ = self.layers((h, kv_cache), layer_ids, kv_ids, cos, sin, md)

@@ -428,11 +428,16 @@ def gemma3_model(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("target", ["v5e:1x1", "h200"])
 def test_gemma3_compiles(target: str, gemma3_model: str) -> None:
-    """Sliding and full layers in one scan (a cond per layer, two attention plans) through
-    each device compiler, with the platform's kernel."""
+    """Sliding and full layers in one scan (a cond per layer, two attention plans, a block
+    table per KV cache group) through each device compiler, with the platform's kernel."""
     report = _preflight(target, "--model", gemma3_model, "--programs", "forward",
                         "--only-warm-up", *FIXED_CACHE)
     _assert_clean(report)
+    # KV cache groups: the full layer's and five sliding ones of one layer each, whose pages
+    # per sequence are the window's.
+    groups = report.memory.kv_cache_groups
+    assert [g["pages_per_seq"] for g in groups] == [128] + [33] * 5, groups
+    assert report.memory.max_concurrent_seqs > report.memory.max_concurrent_seqs_every_page_kept
 
 
 def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:

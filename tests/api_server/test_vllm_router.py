@@ -45,19 +45,28 @@ def test_two_servers_behind_vllm_router(tmp_path) -> None:
                 time.sleep(0.25)
             for i in range(4):
                 r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-                    "model": MODEL, "max_tokens": 4,
+                    "model": MODEL, "max_tokens": 4, "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"Count to {i}."}]})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-            served = []  # round robin over both (the router's own probes may shift the turn)
-            for server in (a, b):
-                text = httpx.get(server.url("/metrics")).text
-                m = re.search(r'vllm:request_success_total\{engine="0",finished_reason="length",'
-                              rf'model_name="{MODEL}"\}} (\S+)', text)
-                served.append(float(m.group(1)) if m else 0.0)
-            assert sum(served) == 4 and min(served) >= 1, served
-            proxied = httpx.get(url + "/metrics", timeout=10).text
-            assert re.search(rf'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0',
-                             proxied), proxied[:2000]
+
+            def served() -> list[float]:  # finished requests per server, from its metrics
+                out = []
+                for server in (a, b):
+                    text = httpx.get(server.url("/metrics")).text
+                    m = re.search(r'vllm:request_success_total\{engine="0",finished_reason="length",'
+                                  rf'model_name="{MODEL}"\}} (\S+)', text)
+                    out.append(float(m.group(1)) if m else 0.0)
+                return out
+
+            # Round robin over both (the router's own probes may shift the turn). A server
+            # counts a request once its output is handled, which may trail the response.
+            running = rf'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0'
+            deadline = time.monotonic() + 20
+            while sum(counts := served()) < 4 or not re.search(
+                    running, proxied := httpx.get(url + "/metrics", timeout=10).text):
+                assert time.monotonic() < deadline, (counts, proxied[:2000])
+                time.sleep(0.25)
+            assert sum(counts) == 4 and min(counts) >= 1, counts
         finally:
             router.terminate()
             router.wait(10)

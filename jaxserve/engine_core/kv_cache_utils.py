@@ -19,6 +19,8 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxserve.kv_cache_spec import cdiv  # noqa: F401  (one ceil-division for the engine core)
+
 if TYPE_CHECKING:
     from jaxserve.engine_core.request import Request
 
@@ -26,10 +28,6 @@ if TYPE_CHECKING:
 BlockHash = bytes
 
 ROOT_HASH: BlockHash = hashlib.sha256(b"jaxserve prefix cache root").digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def group_key(block_hash: BlockHash, group: int) -> BlockHash:

@@ -69,18 +69,24 @@ def cache_why_not(cache_dtype, kv_cache_dtype: str, scaled: bool) -> str | None:
     return None
 
 
+def sinks_operand(sinks: jax.Array | None) -> jax.Array:
+    """The kernels' sinks operand: float32 [num_q_heads], or empty for none."""
+    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32).reshape(-1)
+
+
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax.Array,
                            row_seq: jax.Array, row_pos: jax.Array, num_rows: jax.Array, *,
                            sm_scale: float, soft_cap: float | None,
-                           sliding_window: int | None) -> jax.Array:
+                           sliding_window: int | None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """q f32 [R, qh, D] (one query row each, at position `row_pos` of sequence `row_seq`),
     `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 (or bf16 bits in uint16) -> f32
     [R, qh, D]; rows past
-    `num_rows` (i32[1]) are zeros."""
+    `num_rows` (i32[1]) are zeros. `sinks`: f32 [qh] attention sinks (reference.py)."""
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")(
         q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32),
         row_seq.astype(jnp.int32), row_pos.astype(jnp.int32),
-        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32), sinks_operand(sinks),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import cpu_build
-from kernels_pallas.ragged_paged_attention._decode_cpu import cache_why_not
+from kernels_pallas.ragged_paged_attention._decode_cpu import sinks_operand, cache_why_not
 
 SOURCE = Path(__file__).with_name("prefill_cpu.cc")
 TARGET = "kernels_pallas_paged_prefill_attention_cpu"
@@ -62,12 +62,14 @@ def why_not(head_dim: int, cache_dtype, kv_cache_dtype: str, scaled: bool) -> st
 def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax.Array,
                             cu: jax.Array, q_lens: jax.Array, kv_lens: jax.Array, *,
                             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-                            decode_q_len: int, block_q: int, dots: str = "auto") -> jax.Array:
+                            decode_q_len: int, block_q: int, dots: str = "auto",
+                            sinks: jax.Array | None = None) -> jax.Array:
     """q f32 [T, qh, D]; `kv_pages` [pages, page_size, 2 * kvh, D] f32/bf16 (or bf16 bits in
     uint16); per sequence
     `cu` (i32[S + 1]), `q_lens` and `kv_lens` (i32[S], 0 past the real ones) -> f32 [T, qh, D]
     with the rows of sequences of more than `decode_q_len` query tokens; other rows are 0.
-    `dots`: "auto" (`bf16_dots`), "float32", or "bfloat16" (ValueError where it cannot run)."""
+    `dots`: "auto" (`bf16_dots`), "float32", or "bfloat16" (ValueError where it cannot run).
+    `sinks`: f32 [qh] attention sinks (reference.py)."""
     if dots not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dots must be 'auto', 'float32' or 'bfloat16', not {dots!r}")
     use_bf16 = bf16_dots(kv_pages.dtype)
@@ -78,7 +80,7 @@ def paged_prefill_attention(q: jax.Array, kv_pages: jax.Array, page_indices: jax
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")(
         q.astype(jnp.float32), kv_pages, page_indices.astype(jnp.int32), cu.astype(jnp.int32),
-        q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), sinks_operand(sinks),
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
         sliding_window=np.int64(sliding_window or 0), decode_q_len=np.int64(decode_q_len),
         block_q=np.int64(block_q), bf16_dots=use_bf16)

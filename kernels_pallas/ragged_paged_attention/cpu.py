@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu
-from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE, gqa_layout
+from kernels_pallas.ragged_paged_attention.reference import (
+    DEFAULT_MASK_VALUE, gqa_layout, sink_denominator)
 from kernels_pallas.kv_cache import kv_cache_values
 from kernels_pallas.registry import register_backend
 
@@ -177,6 +178,7 @@ def ragged_paged_attention(
     plan: AttentionPlan | None = None,
     decode_kernel: str = "auto",
     prefill_kernel: str = "auto",
+    sinks: jax.Array | None = None,
     **tuning,
 ) -> jax.Array:
     """Ragged paged attention (layout: reference.py) with O(context) memory traffic.
@@ -186,7 +188,7 @@ def ragged_paged_attention(
     `make_plan(...)` (made here when not given). `decode_kernel`: "auto" runs the decode rows
     through the C++ kernel (`decode_cpu.cc`) where it loads and takes the cache, "xla" keeps
     them in the XLA loop (its oracle); `prefill_kernel` likewise for the prefill rows
-    (`prefill_cpu.cc`, AVX-512). Returns `[num_tokens, num_q_heads, head_dim]` in
+    (`prefill_cpu.cc`, AVX-512). `sinks`: the reference's. Returns `[num_tokens, num_q_heads, head_dim]` in
     `q.dtype`, zeros on padding rows.
     """
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
@@ -226,6 +228,7 @@ def ragged_paged_attention(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
     for name, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
         if value not in ("auto", "xla"):
             raise ValueError(f"{name} must be 'auto' or 'xla', not {value!r}")
@@ -237,10 +240,10 @@ def ragged_paged_attention(
         rows = _decode_cpu.paged_decode_attention(
             qf[plan.row_token].reshape(-1, num_q_heads, head_dim), kv_pages, page_indices,
             plan.row_seq, plan.row_pos, jnp.sum(plan.decode_token), sm_scale=sm_scale, soft_cap=soft_cap,
-            sliding_window=tn.sliding_window)
+            sliding_window=tn.sliding_window, sinks=sinks)
         out = rows.reshape(-1, num_kv_heads, group, head_dim)[plan.decode_rank]
     else:
-        out = _decode(qf, plan, tn, read_keys, scores, mask_value)
+        out = _decode(qf, plan, tn, read_keys, scores, mask_value, head_sinks)
     if num_tokens > tn.decode_q_len:  # else every real row is a decode row
         if prefill_kernel == "auto" and _prefill_cpu.why_not(
                 head_dim, kv_pages.dtype, kv_cache_dtype, scaled) is None:
@@ -248,15 +251,16 @@ def ragged_paged_attention(
                 qf.reshape(num_tokens, num_q_heads, head_dim), kv_pages, page_indices, plan.cu,
                 plan.q_lens, plan.kv_lens, sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=tn.sliding_window, decode_q_len=tn.decode_q_len,
-                block_q=tn.block_q).reshape(qf.shape)
+                block_q=tn.block_q, sinks=sinks).reshape(qf.shape)
         else:
-            prefill = _prefill(qf, plan, tn, read_keys, scores, mask_value)
+            prefill = _prefill(qf, plan, tn, read_keys, scores, mask_value, head_sinks)
         out = jnp.where(plan.decode_token[:, None, None, None], out, prefill)
     out = jnp.where(plan.valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _decode(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float) -> jax.Array:
+def _decode(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float,
+            sinks: jax.Array | None) -> jax.Array:
     """Per-token attention of the decode rows, as a flat list of (row, key block) items."""
     _, num_kv_heads, group, head_dim = qf.shape
     R, W, P = tn.decode_rows, tn.decode_items, tn.decode_block_kv
@@ -295,12 +299,15 @@ def _decode(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: 
         jnp.zeros((R, num_kv_heads, group), jnp.float32),
         jnp.zeros((R, num_kv_heads, group, head_dim), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(0, _ceil_div(total, W), body, init)
+    m, l, acc = lax.fori_loop(0, _ceil_div(total, W), body, init)
+    if sinks is not None:  # [kvh, g]
+        l = l + sink_denominator(sinks, m)
     rows_out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return rows_out[plan.decode_rank]
 
 
-def _prefill(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float) -> jax.Array:
+def _prefill(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float,
+             sinks: jax.Array | None) -> jax.Array:
     """Query blocks of one sequence each, each walking its own keys once."""
     num_tokens, num_kv_heads, group, head_dim = qf.shape
     BQ, BK = tn.block_q, tn.block_kv
@@ -341,7 +348,9 @@ def _prefill(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value:
             jnp.zeros((num_kv_heads, group * BQ), jnp.float32),
             jnp.zeros((num_kv_heads, group * BQ, head_dim), jnp.float32),
         )
-        _, l, acc = lax.fori_loop(jnp.min(lo) // BK, last // BK + 1, kv_body, init)
+        m, l, acc = lax.fori_loop(jnp.min(lo) // BK, last // BK + 1, kv_body, init)
+        if sinks is not None:  # [kvh, g] -> rows g-major, as qb's
+            l = l + sink_denominator(jnp.repeat(sinks, BQ, axis=1), m)
         res = acc / jnp.where(l > 0, l, 1.0)[..., None]
         res = res.reshape(num_kv_heads, group, BQ, head_dim).transpose(2, 0, 1, 3)
         cur = lax.dynamic_slice_in_dim(out, row0, BQ)

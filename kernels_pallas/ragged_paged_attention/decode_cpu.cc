@@ -63,6 +63,7 @@ struct Params {
   int64_t num_pages, page_size, pages_per_seq, kvh, group, D;
   float scale, soft_cap;
   int64_t window;  // 0: none
+  const float* sinks;  // [kvh * group] attention sinks (reference.py), or nullptr: none
 };
 
 // One item's partial softmax: running max m, sum l and unnormalised output acc, per q head.
@@ -225,6 +226,7 @@ ffi::Error Run(const Params& p, const float* q, const T* cache, const int32_t* t
           l += pc.l[i] * f;
           for (int64_t d = 0; d < D; ++d) o[d] += pc.acc[i * D + d] * f;
         }
+        if (p.sinks) l += std::exp(p.sinks[h * G + i] - m);  // reference.py: sink_denominator
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       }
@@ -236,6 +238,7 @@ ffi::Error Run(const Params& p, const float* q, const T* cache, const int32_t* t
 ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                       ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> row_seq,
                       ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::Buffer<ffi::F32> sinks,
                       float sm_scale, float soft_cap, int64_t sliding_window,
                       ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = cache.dimensions(), td = page_indices.dimensions();
@@ -243,7 +246,10 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
     return ffi::Error::InvalidArgument(
         "paged_decode_attention: q [R, qh, D], cache [pages, page_size, 2 * kvh, D], "
         "page_indices [S, P]");
-  Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window};
+  Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window,
+           sinks.element_count() ? sinks.typed_data() : nullptr};
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+    return ffi::Error::InvalidArgument("paged_decode_attention: sinks must be [num_q_heads]");
   if (p.kvh == 0 || qd[1] % p.kvh != 0 || qd[1] / p.kvh > kMaxGroup || p.kvh > kMaxHeads || p.D % 8 != 0 ||
       kChunkKeys % p.page_size != 0 || p.page_size % 8 != 0 || row_seq.element_count() != qd[0] ||
       row_pos.element_count() != qd[0] || num_rows.element_count() != 1)
@@ -282,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, DecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("sliding_window")

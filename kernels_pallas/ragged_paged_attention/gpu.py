@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.kv_cache import KVCacheLayout
-from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
+from kernels_pallas.ragged_paged_attention.reference import (
+    DEFAULT_MASK_VALUE, no_sinks, sink_denominator)
 from kernels_pallas.registry import register_backend
 
 
@@ -96,6 +97,7 @@ def _kernel(
     page_indices_ref,  # int32[max_num_seqs, pages_per_seq]
     q_ref,  # [num_kv_heads, rows, D], rows = (num_tokens + block_q) * group_pad
     kv_ref,  # [num_pages * page_size, 2 * num_kv_heads, D]
+    sinks_ref,  # f32 [num_kv_heads, block_q * group_pad] (each row's head's sink), or None
     o_ref,  # [num_kv_heads, rows, D]
     *, sm_scale: float, group: int, group_pad: int, block_q: int, page_size: int,
     pages_per_block: int, sliding_window: int | None, soft_cap: float | None,
@@ -155,7 +157,9 @@ def _kernel(
     init = (jnp.zeros((rows, head_dim), jnp.float32),
             jnp.full((rows,), mask_value, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(start, pl.cdiv(num_keys, block_k), body, init)
+    acc, m, l = lax.fori_loop(start, pl.cdiv(num_keys, block_k), body, init)
+    if sinks_ref is not None:
+        l = l + sink_denominator(sinks_ref[h, :], m)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     # Rows of other sequences share this window of the output: store only our own.
     plgpu.store(o_ref.at[h, pl.ds(q_start * group_pad, rows), :], out.astype(o_ref.dtype),
@@ -217,12 +221,14 @@ def ragged_paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     check: bool = True,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Same contract as the reference. Tuning: `block_q` query tokens per program and
     `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8
     for head_dim > 128: Gemma's 256 spilled registers at 4 warps and 64 keys on H200) /
     `num_stages` for Triton (`check_tuning` says which compile; `check=False` skips it, to ask
-    the compiler itself). head_dim and page_size must be powers of two."""
+    the compiler itself). head_dim and page_size must be powers of two. `sinks`: the
+    reference's."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_slots, _ = kv_pages.shape
     num_kv_heads = num_kv_slots // 2
@@ -247,9 +253,14 @@ def ragged_paged_attention(
     qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     kv_flat = kv_pages.reshape(num_pages * page_size, num_kv_slots, head_dim)  # a bitcast
+    operands = [seq, q_start, q_end, kv_len, page_indices, qg, kv_flat]
+    if sinks is not None:  # per row of a q tile (t0g0 t0g1 .. t1g0 ..), padded heads 0
+        tile = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group),
+                       ((0, 0), (0, group_pad - group)))
+        operands.append(jnp.tile(tile, (1, block_q)))
 
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, group=group, group_pad=group_pad, block_q=block_q,
+        _kernel if sinks is not None else no_sinks(_kernel, 7), sm_scale=sm_scale, group=group, group_pad=group_pad, block_q=block_q,
         page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
         soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
@@ -264,7 +275,7 @@ def ragged_paged_attention(
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                       bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_gpu",
-    )(seq, q_start, q_end, kv_len, page_indices, qg, kv_flat)
+    )(*operands)
 
     out = out.reshape(num_kv_heads, num_tokens + block_q, group_pad, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(q.shape)

@@ -51,6 +51,7 @@ struct Params {
   int64_t num_pages, page_size, pages_per_seq, kvh, group, D;
   float scale, soft_cap;
   int64_t window;  // 0: none
+  const float* sinks;  // [kvh * group] attention sinks (reference.py), or nullptr: none
 };
 
 // One work item: tokens [t0, t0 + nq) of a sequence (first at position pos0), kv head h.
@@ -326,7 +327,9 @@ K512 void run_item(const Params& p, const Item& it, const float* q, const T* cac
     }
     for (int m = 0; m < kRows && r0 + m < M; ++m) {
       const int64_t r = r0 + m;
-      const float inv = rb.l[m] > 0.0f ? 1.0f / rb.l[m] : 0.0f;
+      float l = rb.l[m];
+      if (p.sinks) l += std::exp(p.sinks[it.h * G + r % G] - rb.m[m]);  // reference.py: sink_denominator
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       float* o = out + ((it.t0 + r / G) * qh + it.h * G + r % G) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = rb.o[d * kRows + m] * inv;
     }
@@ -363,6 +366,7 @@ ffi::Error Run(const Params& p, const float* q, const T* cache, const int32_t* t
 ffi::Error PrefillImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                        ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu,
                        ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                       ffi::Buffer<ffi::F32> sinks,
                        float sm_scale, float soft_cap, int64_t sliding_window,
                        int64_t decode_q_len, int64_t block_q, bool bf16_dots,
                        ffi::ResultBuffer<ffi::F32> out) {
@@ -371,7 +375,10 @@ ffi::Error PrefillImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
     return ffi::Error::InvalidArgument(
         "paged_prefill_attention: q [T, qh, D], cache [pages, page_size, 2 * kvh, D], "
         "page_indices [S, P]");
-  Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window};
+  Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window,
+           sinks.element_count() ? sinks.typed_data() : nullptr};
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+    return ffi::Error::InvalidArgument("paged_prefill_attention: sinks must be [num_q_heads]");
   const int64_t S = td[0];
   if (p.kvh == 0 || qd[1] % p.kvh != 0 || p.D % 16 != 0 || p.D > kMaxD || block_q < 1 ||
       cu.element_count() != S + 1 || q_lens.element_count() != S || kv_lens.element_count() != S)
@@ -415,6 +422,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedPrefillAttentionCpu, PrefillImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("sliding_window")

@@ -29,6 +29,9 @@ under one compiled shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -52,6 +55,23 @@ def gqa_layout(q: jax.Array, kv_pages: jax.Array) -> tuple[int, int]:
             f"({num_q_heads}) a multiple of num_kv_heads"
         )
     return num_kv_heads, num_q_heads // num_kv_heads
+
+
+def sink_denominator(sinks: jax.Array, m: jax.Array) -> jax.Array:
+    """A sink's share of the softmax denominator, exp(sink - m), in the running max m's units
+    (`sinks` broadcast against `m`). Added to the final sum it equals starting the online
+    softmax at max = sink, sum = 1, acc = 0 (vLLM's kernels): the sink takes its share of the
+    weight and contributes no value. A row that saw nothing has m = the mask value: its
+    exp overflows to inf and its output to 0."""
+    return jnp.exp(sinks.astype(jnp.float32) - m)
+
+
+def no_sinks(kernel: Callable[..., Any], position: int) -> Callable[..., Any]:
+    """A Pallas kernel body for calls without sinks: its refs with None in the sinks ref's
+    `position` (the kernel then skips them)."""
+    def run(*refs: Any, **static: Any) -> Any:
+        return kernel(*refs[:position], None, *refs[position:], **static)
+    return run
 
 
 def token_metadata(
@@ -99,11 +119,14 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     kv_cache_dtype: str = "auto",
     pages_per_step: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention; see the module docstring for the layout.
 
     `sliding_window=W` lets a query at position p see keys p-W+1..p; `soft_cap=c` applies
-    `c * tanh(s / c)` to the scores; `k_scale` / `v_scale` dequantize a low-precision cache.
+    `c * tanh(s / c)` to the scores; `k_scale` / `v_scale` dequantize a low-precision cache;
+    `sinks` (float32 [num_q_heads], GPT-OSS's attention sinks) are one learned logit per q
+    head that joins every row's softmax denominator and has no value (`sink_denominator`).
     `pages_per_step` pages are folded in per loop iteration (default: about 64 keys while
     the per-step gather stays small; fewer, larger steps run faster on the CPU).
     Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`, zeros on padding rows.
@@ -182,7 +205,9 @@ def ragged_paged_attention(
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
     # fori_loop with traced bounds lowers to a while_loop: one compiled body, data trip count.
-    _, l, acc = jax.lax.fori_loop(start_step, end_step, body, init)
+    m, l, acc = jax.lax.fori_loop(start_step, end_step, body, init)
+    if sinks is not None:
+        l = l + sink_denominator(sinks.reshape(num_kv_heads, group), m)
     # Every real token sees at least itself, so l >= 1 there; guard only the padding rows.
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)

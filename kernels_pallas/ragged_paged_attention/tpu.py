@@ -47,7 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.kv_cache import KVCacheLayout
-from kernels_pallas.ragged_paged_attention.reference import DEFAULT_MASK_VALUE
+from kernels_pallas.ragged_paged_attention.reference import (
+    DEFAULT_MASK_VALUE, no_sinks, sink_denominator)
 from kernels_pallas.registry import register_backend
 
 # (exponent bits, mantissa bits, bias) of the sub-32-bit value types, decoded in int32.
@@ -98,6 +99,7 @@ def _kernel(
     # inputs
     q_ref,  # VMEM [kvh, rows, Lq], rows = block_q * group
     kv_hbm,  # HBM  [num_pages, page_size, R * L] int32
+    sinks_ref,  # VMEM f32 [kvh, rows, Lq]: each row's head's sink (along lanes), or None
     # output
     o_ref,  # VMEM [kvh, rows, Lq]
     # scratch
@@ -221,6 +223,8 @@ def _kernel(
         lax.while_loop(lambda c: in_block(c[0]), body, (seq0, blk0, jnp.int32(0)))
 
     l = l_ref[...]
+    if sinks_ref is not None:
+        l = l + sink_denominator(sinks_ref[...], m_ref[...])
     out = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0)
     if v_scale is not None:
         out = out * v_scale
@@ -278,10 +282,12 @@ def ragged_paged_attention(
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Same contract as the reference, over a packed cache. Tuning: `block_q` tokens per
     program, `pages_per_block` pages per DMA step (defaults: `default_tuning`).
-    `interpret=True` runs the TPU interpreter (DMAs and semaphores simulated) on the CPU."""
+    `interpret=True` runs the TPU interpreter (DMAs and semaphores simulated) on the CPU.
+    `sinks`: the reference's."""
     layout.check(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = kv_pages.shape[1]
@@ -311,18 +317,26 @@ def ragged_paged_attention(
     qg = qg.reshape(num_kv_heads, padded * group, q_lanes)
 
     kernel = functools.partial(
-        _kernel, layout=layout, sm_scale=sm_scale * (k_scale or 1.0), block_q=block_q,
+        _kernel if sinks is not None else no_sinks(_kernel, 7), layout=layout, sm_scale=sm_scale * (k_scale or 1.0), block_q=block_q,
         group=group, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
         mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value, v_scale=v_scale)
     q_spec = pl.BlockSpec((num_kv_heads, rows, q_lanes), lambda i, *_: (0, i, 0))
     stats = pltpu.VMEM((num_kv_heads, rows, q_lanes), jnp.float32)
+    in_specs, operands = [q_spec, pl.BlockSpec(memory_space=pl.ANY)], [qg, kv_pages]
+    if sinks is not None:
+        # Laid out as m is: every row of a q block holds its head's sink along the lanes;
+        # one block for all programs, fetched once.
+        head = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
+        in_specs.append(pl.BlockSpec((num_kv_heads, rows, q_lanes), lambda i, *_: (0, 0, 0)))
+        operands.append(jnp.broadcast_to(head.reshape(num_kv_heads, rows, 1),
+                                         (num_kv_heads, rows, q_lanes)))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(num_q_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_block * page_size, kv_pages.shape[2]), jnp.int32),
@@ -339,7 +353,7 @@ def ragged_paged_attention(
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                       bytes_accessed=2 * qg.size * qg.dtype.itemsize),
         name="ragged_paged_attention_tpu",
-    )(*scalars, qg, kv_pages)
+    )(*scalars, *operands)
 
     out = out.reshape(num_kv_heads, padded, group, q_lanes).transpose(1, 0, 2, 3)
     if q_lanes != head_dim:  # p @ [k | v]: the values' half

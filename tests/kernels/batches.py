@@ -85,8 +85,10 @@ def make_batch(
 
 
 def naive_attention(batch: Batch, *, sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> np.ndarray:
-    """Per-sequence, per-token attention in float64: the oracle. Padding rows are zeros."""
+                    soft_cap: float | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
+    """Per-sequence, per-token attention in float64: the oracle. Padding rows are zeros.
+    `sinks` [num_q_heads]: as GPT-OSS's transformers code has them, one more logit column
+    in each head's softmax, dropped before the values."""
     q = np.asarray(batch.q, np.float64)
     kv = np.asarray(batch.kv_pages, np.float64)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -105,8 +107,11 @@ def naive_attention(batch: Batch, *, sm_scale: float, sliding_window: int | None
                 scores = k[lo: pos + 1, h // group] @ q[start + i, h] * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
+                if sinks is not None:
+                    scores = np.append(scores, sinks[h])
                 p = np.exp(scores - scores.max())
-                out[start + i, h] = p @ v[lo: pos + 1, h // group] / p.sum()
+                p = p / p.sum()
+                out[start + i, h] = p[: pos + 1 - lo] @ v[lo: pos + 1, h // group]
     return out
 
 

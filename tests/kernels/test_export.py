@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import export
 
@@ -31,6 +32,9 @@ SHAPES = {
     # --kv-cache-dtype fp8: a uint8 cache of fp8 bits with the k/v scales
     "llama8b_fp8_cache": (256, 32, 8, 128, 4096, 16, 64, 128, jnp.bfloat16,
                           {"kv_cache_dtype": "fp8", "k_scale": 1.0, "v_scale": 1.0}),
+    # GPT-OSS: 64 q heads over 8 kv heads of 64, a 128-token window, attention sinks
+    "gpt_oss_sinks": (128, 64, 8, 64, 1024, 16, 32, 64, jnp.bfloat16,
+                      {"sliding_window": 128, "sinks": np.linspace(-1, 1, 64, dtype=np.float32)}),
 }
 
 TARGETS = [

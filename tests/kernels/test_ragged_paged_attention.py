@@ -99,6 +99,24 @@ def test_sliding_window_and_soft_cap(backend: str) -> None:
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
 
 
+@pytest.mark.parametrize("backend,tuning_index", [
+    (backend, i) for backend in kernels_pallas.list_backends()
+    for i in range(len(kernels_pallas.get_backend(backend).test_tuning))])
+def test_attention_sinks(backend: str, tuning_index: int) -> None:
+    """GPT-OSS's sinks, with a window and GQA, on every variant and tuning (the CPU's: its
+    C++ kernels and its XLA loops), decode and prefill rows in one batch."""
+    batch = make_batch(_cases(16)["mixed"] + [(1, 40)], num_q_heads=6, num_kv_heads=2,
+                       head_dim=64, page_size=16, seed=7)
+    sinks = jnp.asarray([0.5, -2.0, 4.0, -30.0, 1.0, 0.0], jnp.float32)
+    options = dict(sm_scale=0.125, sliding_window=20)
+    got = _run(backend, batch, tuning_index, sinks=sinks, **options)
+    want = np.asarray(reference(*batch.args, sinks=sinks, **options))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
+    plain = np.asarray(reference(*batch.args, **options))
+    assert not np.allclose(want[:n], plain[:n], atol=1e-3)  # the sinks took their share
+
+
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("backend", kernels_pallas.list_backends())
 def test_update_kv_cache(backend: str, dtype) -> None:

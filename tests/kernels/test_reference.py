@@ -57,6 +57,17 @@ def test_reference_sliding_window_and_soft_cap(sliding_window, soft_cap) -> None
     np.testing.assert_allclose(np.asarray(got), want, **tolerance(np.float32))
 
 
+def test_reference_attention_sinks() -> None:
+    """GPT-OSS's sinks, some far above the scores (their weight takes nearly all of the row)
+    and some far below, with a window, against the oracle's extra softmax column."""
+    batch = make_batch(CASES["chunked_prefill"] + [(1, 70)], num_q_heads=4, num_kv_heads=2,
+                       head_dim=64, page_size=16, seed=6)
+    sinks = np.array([0.5, -2.0, 30.0, -30.0], np.float32)
+    got = ragged_paged_attention(*batch.args, sm_scale=0.2, sliding_window=20, sinks=sinks)
+    want = naive_attention(batch, sm_scale=0.2, sliding_window=20, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, **tolerance(np.float32))
+
+
 def test_reference_huge_flattened_cache_and_all_padding() -> None:
     """Page ids offset into a stacked all-layer cache, and a batch with no real sequence."""
     batch = make_batch(CASES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64,

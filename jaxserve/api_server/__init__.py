@@ -10,7 +10,8 @@ process through jaxserve/engine/core_client.py.
     chat_tools.py        a chat request's tools: tool_choice, its grammar, template messages
     chat_output.py       a chat reply split into reasoning, content and tool calls (streamed)
     tool_parsers.py      --tool-call-parser: hermes/qwen, llama3_json, mistral
-    reasoning_parsers.py --reasoning-parser: deepseek_r1, qwen3 (<think>...</think>)
+    reasoning_parsers.py --reasoning-parser: deepseek_r1, qwen3 (<think>...</think>),
+                         openai_gptoss (GPT-OSS's harmony channels)
     app.py               routes and errors
     debug_routes.py      /debug: the map page, live counters, request traces, diagnose
     symptoms.py          symptom -> box findings from traces and counters

@@ -76,7 +76,8 @@ class ServerArgs:
         "how the model writes tool calls (hermes/qwen: <tool_call> tags; llama3_json; "
         "mistral: [TOOL_CALLS])", choices=sorted(TOOL_PARSERS)))
     reasoning_parser: str | None = field(default=None, metadata=cli_arg("server",
-        "split <think>...</think> into the message's reasoning field",
+        "split the reply's reasoning into the message's reasoning field (deepseek_r1, qwen3: "
+        "<think>...</think>; openai_gptoss: GPT-OSS's harmony analysis channel)",
         choices=sorted(REASONING_PARSERS)))
     enable_prompt_tokens_details: bool = field(default=False, metadata=cli_arg("server",
         "report usage.prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -106,14 +107,17 @@ class OpenAIServingChat:
                               param="prompt_logprobs")
         params = ctx.sampling_params(request, max_tokens, num_top, request.prompt_logprobs,
                                      structured_outputs=structured)
-        request_id = f"chatcmpl-{random_uuid()}"
-        gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority,
-                                  trace=ctx.start_trace(request_id, received, spans))
-        created = int(time.time())
         # A grammar constrains the reply from its first token, so it has no reasoning part
         # (vLLM lets a model think before the grammar starts; not done here).
         reasoning = (REASONING_PARSERS[ctx.reasoning_parser]
                      if ctx.reasoning_parser and structured is None else None)
+        if reasoning is not None and reasoning.needs_special_tokens:
+            # Its markers are special tokens: decoded away, the reply could not be split.
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        request_id = f"chatcmpl-{random_uuid()}"
+        gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority,
+                                  trace=ctx.start_trace(request_id, received, spans))
+        created = int(time.time())
         parsers = [ChatOutputParser(mode, reasoning) for _ in range(request.n)]
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, token_ids, gen,

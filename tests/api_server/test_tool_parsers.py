@@ -1,9 +1,11 @@
 """Tool-call and reasoning parsers: whole replies, and streams (every prefix fed in turn) that
-must add up to the whole reply."""
+must add up to the whole reply; and GPT-OSS's harmony replies through the chat serving path, with
+a scripted engine behind a tiny tokenizer."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -158,3 +160,183 @@ def test_cut_off_or_malformed_calls_read_the_same_streamed_and_whole() -> None:
     text = '<tool_call>{"nam'
     assert response_message(ChatOutputParser(auto("hermes")), text).content == text
     assert streamed(auto("hermes"), text)["content"] == text
+
+
+# GPT-OSS's harmony format (openai_gptoss): the reply as decoded with its special tokens kept.
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                   "<|return|>", "<|call|>", "<|endoftext|>")
+THINK = "<|channel|>analysis<|message|>We need to add 2 and 2.<|end|>"
+ANSWER = "<|start|>assistant<|channel|>final<|message|>The answer is 4."
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+        '<|message|>{"city": "Paris"}')
+
+
+def harmony_tokens(text: str) -> list[str]:
+    """`text` cut as a tokenizer would: each marker whole, other text two characters a piece."""
+    return re.findall("|".join(map(re.escape, HARMONY_MARKERS)) + "|.{1,2}", text, re.S)
+
+
+def check_harmony(text: str, reasoning: str | None, content: str) -> None:
+    """The whole reply splits as expected; fed character by character or token by token, the
+    parts only grow, never show a marker or part of one, and end as the whole reply's."""
+    split = REASONING_PARSERS["openai_gptoss"]().split(text, finished=True)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for pieces in (list(text), harmony_tokens(text)):
+        parser, seen, prev = REASONING_PARSERS["openai_gptoss"](), "", None
+        for i, piece in enumerate(pieces):
+            seen += piece
+            s = parser.split(seen, finished=i == len(pieces) - 1)
+            # A leaked marker, or part of one held back too late, is no prefix of the end.
+            assert (reasoning or "").startswith(s.reasoning or "") and content.startswith(s.content)
+            assert not any(m in (s.reasoning or "") + s.content for m in HARMONY_MARKERS)
+            if prev is not None:
+                assert (s.reasoning or "").startswith(prev.reasoning or ""), (seen, prev, s)
+                assert s.content.startswith(prev.content), (seen, prev, s)
+                assert prev.reasoning is None or s.reasoning is not None
+            prev = s
+        assert prev == split
+    w = check_stream_matches(ToolMode(), text, "openai_gptoss")
+    assert (w["reasoning"], w["content"]) == (reasoning, content)
+
+
+@pytest.mark.parametrize("end", ["", "<|return|>"])  # the EOS is not text, unless kept
+def test_gptoss_analysis_then_final(end: str) -> None:
+    check_harmony(THINK + ANSWER + end, "We need to add 2 and 2.", "The answer is 4.")
+    check_harmony("<|channel|>final<|message|>4" + end, None, "4")
+
+
+@pytest.mark.parametrize("end", ["", "<|call|>"])
+def test_gptoss_tool_calls_are_in_neither_part(end: str) -> None:
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+    check_harmony(THINK + preamble + CALL + end, "We need to add 2 and 2.", "Let me check.")
+    # The recipient may be in the role's header too, which the prompt opened.
+    check_harmony(' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                  + end, None, "")
+    check_harmony(THINK + "<|start|>assistant to=python<|channel|>analysis<|message|>print(4)"
+                  + end, "We need to add 2 and 2.", "")
+
+
+def test_gptoss_cut_off_and_malformed_replies() -> None:
+    # Cut off while thinking, or in the next header: what was thought is reasoning.
+    check_harmony("<|channel|>analysis<|message|>hmm, let me", "hmm, let me", "")
+    check_harmony(THINK + "<|start|>assistant<|channel|>fin", "We need to add 2 and 2.", "")
+    check_harmony("<|channel|>analysis<|mess", None, "")
+    # No <|end|> before the next message; several messages of a kind; a stray <|constrain|>.
+    check_harmony("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b",
+                  "a", "b")
+    check_harmony(THINK + THINK.replace("add", "sum") + ANSWER + "<|end|>" + ANSWER,
+                  "We need to add 2 and 2.\nWe need to sum 2 and 2.",
+                  "The answer is 4.\nThe answer is 4.")
+    check_harmony("<|channel|>final<|message|>x<|constrain|>y", None, "xy")
+    # A model that did not follow the format: all content, look-alikes included.
+    for text in ("The answer is <b>4</b> <| not a marker", "to=me, it is 4", "  "):
+        check_harmony(text, None, text)
+    check_harmony("Sure.<|channel|>final<|message|>4", None, "Sure.\n4")
+
+
+# A tiny character-level tokenizer holding harmony's markers as special tokens, with a
+# harmony-style chat template (the prompt ends with <|start|>assistant, as GPT-OSS's does).
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+                    "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def harmony_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|return|>",
+                                   pad_token="<|endoftext|>",
+                                   additional_special_tokens=list(HARMONY_MARKERS))
+    fast.chat_template = HARMONY_TEMPLATE
+    return fast
+
+
+class ScriptedClient:
+    """The engine's stand-in: it 'generates' `reply`'s token ids, one a step, and the real
+    OutputProcessor detokenizes them with the request's params."""
+
+    def __init__(self, tokenizer, reply: str) -> None:
+        from jaxserve.engine.output_processor import OutputProcessor
+
+        self.output_processor = OutputProcessor(tokenizer, request_tracing=False)
+        self.reply_ids = tokenizer(reply, add_special_tokens=False).input_ids
+        self.params: list = []
+
+    async def generate(self, request_id, prompt, prompt_token_ids, params, **kwargs):
+        from jaxserve.engine_core.core_outputs import EngineCoreOutput
+        from jaxserve.outputs import FinishReason
+
+        self.params.append(params)
+        [(child, _)] = self.output_processor.add_request(request_id, prompt, prompt_token_ids,
+                                                         params)
+        for i, tok in enumerate(self.reply_ids):
+            last = i == len(self.reply_ids) - 1
+            outs, _ = self.output_processor.process_outputs([EngineCoreOutput(
+                child, [tok], finish_reason=FinishReason.STOP if last else None)])
+            yield outs[0]
+
+
+def serve_chat(parser: str, reply: str, stream: bool) -> tuple[ScriptedClient, list[int], object]:
+    """One chat completion through the chat serving path: (client, prompt ids, the reply's
+    JSON or its stream's chunks)."""
+    import asyncio
+
+    from jaxserve.api_server.protocol import ChatCompletionRequest
+    from jaxserve.api_server.serving import ServingContext
+    from jaxserve.api_server.serving_chat import OpenAIServingChat
+    from jaxserve.engine.processor import Processor
+
+    tok = harmony_tokenizer()
+    client = ScriptedClient(tok, reply)
+    eos = frozenset(tok.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+    ctx = ServingContext(client, tok, ["gpt-oss-tiny"],
+                         Processor(max_model_len=512, vocab_size=len(tok), model_eos_token_ids=eos),
+                         reasoning_parser=parser)
+    request = ChatCompletionRequest.model_validate({
+        "model": "gpt-oss-tiny", "messages": [{"role": "user", "content": "2+2?"}],
+        "stream": stream, "max_tokens": 200})
+
+    async def run() -> tuple[list[int], object]:
+        prompt_ids = (await OpenAIServingChat(ctx).render_prompt(request))[1]
+        resp = await OpenAIServingChat(ctx).create_chat_completion(request)
+        if not stream:
+            return prompt_ids, json.loads(resp.body)
+        frames = [f async for f in resp.body_iterator]
+        return prompt_ids, [json.loads(f[len("data: "):]) for f in frames
+                            if f.startswith("data: {")]
+
+    try:
+        return client, *asyncio.run(run())
+    finally:
+        ctx.executor.shutdown()
+
+
+def test_gptoss_chat_completion_keeps_special_tokens_and_splits() -> None:
+    reply = THINK + ANSWER + "<|return|>"
+    client, prompt_ids, body = serve_chat("openai_gptoss", reply, stream=False)
+    tok = harmony_tokenizer()
+    # The template's markers are single special tokens of the prompt.
+    assert prompt_ids == tok("<|start|>user<|message|>2+2?<|end|><|start|>assistant",
+                             add_special_tokens=False).input_ids
+    assert tok.convert_tokens_to_ids("<|start|>") in prompt_ids
+    assert len(prompt_ids) == len("user2+2?assistant") + 4
+    assert [p.skip_special_tokens for p in client.params] == [False]
+    msg = body["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == "We need to add 2 and 2."
+    assert msg["content"] == "The answer is 4."
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+    client, _, chunks = serve_chat("openai_gptoss", reply, stream=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "We need to add 2 and 2."
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."
+    assert not any("<|" in (d.get("content") or "") + (d.get("reasoning") or "") for d in deltas)
+
+    # Other parsers leave the request's skip_special_tokens (default True): the markers go.
+    client, _, body = serve_chat("qwen3", reply, stream=False)
+    assert [p.skip_special_tokens for p in client.params] == [True]
+    assert body["choices"][0]["message"]["content"] == (
+        "analysisWe need to add 2 and 2.assistantfinalThe answer is 4.")

@@ -119,6 +119,14 @@ class ArchConfig:
     # None: every layer alike (sliding_window, if any, applies to all).
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own rope (unscaled)
+    # GPT-OSS: a learned logit per q head in every softmax (attention sinks), a bias on
+    # o_proj as on q/k/v, biases on the router and the experts, and the experts' SwiGLU
+    # clamped: gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate).
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -208,6 +216,7 @@ class ArchConfig:
         window = cfg.get("sliding_window") if spec.sliding_window else None
         moe = _moe_fields(spec.experts, cfg)
         gemma = _gemma_fields(arch, spec.gemma, cfg)
+        gpt_oss = _gpt_oss_fields(arch, spec.experts, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -235,7 +244,7 @@ class ArchConfig:
             sliding_window=int(window) if window else None,
             partial_rotary_factor=float((rope or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            **moe, **gemma,
+            **moe, **gemma, **gpt_oss,
         )
 
 
@@ -246,22 +255,10 @@ def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[s
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"{arch}: hidden_activation {cfg.get('hidden_activation')!r} is not "
                          "supported (gelu_pytorch_tanh)")
-    types = cfg.get("layer_types")
-    if types is None:  # older configs: Gemma 2 alternates, Gemma 3 has a pattern
-        n, every = cfg["num_hidden_layers"], 2 if version == 2 else cfg.get(
-            "sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                 for i in range(n)]
-    kinds = ("sliding_attention", "full_attention")
-    if (not isinstance(types, (list, tuple)) or len(types) != cfg["num_hidden_layers"]
-            or any(t not in kinds for t in types)):
-        raise ValueError(f"{arch}: config.json layer_types must list {cfg['num_hidden_layers']} "
-                         f"layers (num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
-    window = cfg.get("sliding_window")
-    if "sliding_attention" in types and not (isinstance(window, (int, float))
-                                            and not isinstance(window, bool) and window > 0):
-        raise ValueError(f"{arch}: config.json layer_types has sliding_attention layers but "
-                         f"sliding_window is {window!r} (a positive number of tokens expected)")
+    # Older configs have no layer_types: Gemma 2 alternates, Gemma 3 has a pattern.
+    every = 2 if version == 2 else cfg.get("sliding_window_pattern",
+                                            cfg.get("_sliding_window_pattern", 6))
+    types = _layer_types(arch, cfg, every)
     local_theta = None
     if version == 3:
         rp = cfg.get("rope_parameters")
@@ -273,9 +270,41 @@ def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[s
                 layer_types=tuple(types), local_rope_theta=local_theta)
 
 
+def _layer_types(arch: str, cfg: dict[str, Any], every: int) -> tuple[str, ...]:
+    """config.json's `layer_types`, checked against num_hidden_layers and sliding_window
+    (ValueError naming them); without one, every `every`-th layer full, the others sliding."""
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                 for i in range(cfg["num_hidden_layers"])]
+    kinds = ("sliding_attention", "full_attention")
+    if (not isinstance(types, (list, tuple)) or len(types) != cfg["num_hidden_layers"]
+            or any(t not in kinds for t in types)):
+        raise ValueError(f"{arch}: config.json layer_types must list {cfg['num_hidden_layers']} "
+                         f"layers (num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, (int, float))
+                                            and not isinstance(window, bool) and window > 0):
+        raise ValueError(f"{arch}: config.json layer_types has sliding_attention layers but "
+                         f"sliding_window is {window!r} (a positive number of tokens expected)")
+    return tuple(types)
+
+
+def _gpt_oss_fields(arch: str, experts: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's fields of ArchConfig ({} for the others): alternating sliding and full
+    layers by default, as transformers' GptOssConfig."""
+    if experts != "gpt_oss":
+        return {}
+    limit = cfg.get("swiglu_limit", 7.0)
+    return dict(layer_types=_layer_types(arch, cfg, 2), attention_sinks=True,
+                o_proj_bias=bool(cfg.get("attention_bias", True)), expert_bias=True,
+                swiglu_limit=None if limit is None else float(limit),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+
+
 def _moe_fields(experts: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
     """A mixture of experts' fields of ArchConfig ({} for a dense model)."""
-    if experts == "mixtral":
+    if experts in ("mixtral", "gpt_oss"):  # GPT-OSS: top-k logits, softmax over them
         return dict(num_experts=int(cfg["num_local_experts"]),
                     num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)

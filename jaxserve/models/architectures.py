@@ -20,7 +20,8 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm on each head's q and k
     attention_bias: bool = False  # q/k/v biases when config.json does not say
     gemma: int | None = None  # Gemma's version: gemma.py's decoder layer, norms, soft caps
-    experts: str | None = None  # a mixture of experts' config and tensor names: "mixtral" or "qwen3_moe"
+    # A mixture of experts' config and tensor names: "mixtral", "qwen3_moe" or "gpt_oss".
+    experts: str | None = None
     fused_projections: bool = False  # qkv_proj and gate_up_proj fused in the checkpoint (Phi-3)
 
 
@@ -37,6 +38,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Mixtures of experts: the same decoder with models/moe.py as its feed-forward.
     "MixtralForCausalLM": Architecture(sliding_window=True, experts="mixtral"),
     "Qwen3MoeForCausalLM": Architecture(qk_norm=True, experts="qwen3_moe"),
+    # Sliding and full layers, attention sinks, biased projections and experts (moe.py).
+    "GptOssForCausalLM": Architecture(sliding_window=True, attention_bias=True, experts="gpt_oss"),
 }
 # Each family's sequence classifier (transformers' *ForSequenceClassification): the same
 # decoder, its `score` head in place of the lm_head (jaxserve/classifier.py).

@@ -102,6 +102,7 @@ def paged_attention(
     kv_cache: jax.Array,  # [slots, num_pages, page_size, *layout.token_shape] (this device's heads)
     slot: jax.Array,
     md: AttentionMetadata,  # of the layer's KV cache group
+    sinks: jax.Array | None = None,  # [q_heads]: GPT-OSS's attention sinks
     *,
     sm_scale: float,
     backend: str,
@@ -140,7 +141,7 @@ def paged_attention(
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
             sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan, **options,
-            **kv,
+            **kv, **({} if sinks is None else {"sinks": sinks}),
         )
     return out, flat.reshape(kv_cache.shape)
 
@@ -177,6 +178,8 @@ class Attention(nn.Module):
                               cpu_kernel=opts.cpu_kernel, group_size=opts.weight_group_size,
                               act_order=opts.weight_act_order)
         slot, md = group_view(opts.kv_cache_groups, kv_id, md)
+        sinks = (self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), opts.dtype)
+                 if cfg.attention_sinks else None)
         q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
@@ -202,10 +205,11 @@ class Attention(nn.Module):
                 heads, cache = PartitionSpec(None, "model", None), KV_CACHE_SPEC
                 run = jax.shard_map(
                     run, mesh=opts.mesh,
-                    in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec()),
+                    in_specs=(heads, heads, heads, cache, PartitionSpec(), PartitionSpec(),
+                              PartitionSpec("model")),
                     out_specs=(heads, cache), check_vma=False,
                 )
-            return run
+            return lambda q, k, v, cache, slot, md: run(q, k, v, cache, slot, md, sinks)
 
         # cos / sin [2, T, .] when sliding layers have a rope of their own (Gemma 3).
         def rope(x: jax.Array, local: bool) -> jax.Array:
@@ -236,5 +240,6 @@ class Attention(nn.Module):
                 return attention(is_local, write=False)(q, k, v, kv_cache, slot, step_md)[0]
 
             out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
-        out = dense(cfg.hidden_size, False, "o_proj")(out.reshape(T, cfg.q_size), layer_idx)
+        out = dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj")(out.reshape(T, cfg.q_size),
+                                                                 layer_idx)
         return out, kv_cache

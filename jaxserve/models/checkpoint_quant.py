@@ -14,6 +14,8 @@ compressed-tensors (llmcompressor's output; vLLM's main format), `w = (q - zero)
 fp8 (Qwen3-FP8, DeepSeek-V3): weight float8_e4m3fn [out, in], weight_scale_inv
     [ceil(out / b0), ceil(in / b1)] for `weight_block_size` [b0, b1]; w = weight * scale_inv.
 gptq, awq: models/gptq_awq.py.
+mxfp4 (GPT-OSS): only the experts are quantized, OCP Microscaling FP4 (`dequantize_mxfp4`),
+    read by the GPT-OSS experts' loader (models/loaders/weights.py); the rest is float.
 
 Activation quantization (static `input_scale`, dynamic per token) is not applied: activations
 stay in the model's dtype, as vLLM does on chips without FP8 matmuls (weight-only).
@@ -149,6 +151,8 @@ def from_hf_config(config: dict[str, Any], model_dir: str) -> CheckpointQuant | 
     if not isinstance(qc, dict):
         raise CheckpointQuantError(f"{where}: not an object")
     method = qc.get("quant_method")
+    if method == "mxfp4":  # the experts only: their loader dequantizes them (dequantize_mxfp4)
+        return None
     if method == "fp8":
         return _fp8_block(qc, where)
     if method == "compressed-tensors":
@@ -163,6 +167,34 @@ def from_hf_config(config: dict[str, Any], model_dir: str) -> CheckpointQuant | 
         f"{where}.quant_method {method!r}{' (' + fields + ')' if fields else ''} is not "
         f"supported. jaxserve reads {SUPPORTED}; float checkpoints and GGUF files load too "
         "(--quantization int8 or bf16 quantizes float weights at load).")
+
+
+# The 16 E2M1 codes of FP4 (sign, 2 exponent bits, 1 mantissa bit).
+MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_BLOCK = 32  # values per shared scale
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
+                     shape: tuple[int, ...]) -> np.ndarray:
+    """MXFP4 (GPT-OSS's experts) -> float32 `shape` [..., out, in]. `blocks` uint8
+    [..., out, in / 32, 16]: two FP4 values a byte, the low nibble first; `scales` uint8
+    [..., out, in / 32]: each block's power of two, biased by 127 (E8M0).
+    CheckpointQuantError names the tensor `name`(_blocks / _scales) when they disagree."""
+    *lead, n_in = shape
+    want = (*lead, n_in // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+    if n_in % MXFP4_BLOCK or blocks.dtype != np.uint8 or tuple(blocks.shape) != want:
+        raise CheckpointQuantError(
+            f"{name}_blocks: {blocks.dtype} {tuple(blocks.shape)}, expected uint8 {want} "
+            f"(MXFP4 blocks of {MXFP4_BLOCK} values for a {tuple(shape)} weight)")
+    if scales.dtype != np.uint8 or tuple(scales.shape) != want[:-1]:
+        raise CheckpointQuantError(f"{name}_scales: {scales.dtype} {tuple(scales.shape)}, "
+                                   f"expected uint8 {want[:-1]} (one per block of {name}_blocks)")
+    values = np.empty((*want[:-1], MXFP4_BLOCK), np.float32)
+    values[..., 0::2] = MXFP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = MXFP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None])
+    return values.reshape(shape)
 
 
 def _fp8_block(qc: dict[str, Any], where: str) -> CheckpointQuant:

@@ -1,10 +1,14 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): top-k routing, then each expert's
-SwiGLU as one grouped matmul over the tokens sorted by expert (`jax.lax.ragged_dot`).
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GPT-OSS): top-k routing, then each
+expert's SwiGLU as one grouped matmul over the tokens sorted by expert (`jax.lax.ragged_dot`).
 
     router   logits = x @ gate [T, E] -> softmax -> top-k (renormalized if norm_topk_prob)
     dispatch the T*k (token, expert) pairs sorted by expert; group_sizes[e] = pairs of e
     experts  down(silu(x W_gate[e]) * x W_up[e]) for every pair, as three grouped matmuls
     combine  each pair's output times its routing weight, added back to its token
+
+GPT-OSS adds biases (the router's, each expert's gate / up / down) and clamps its SwiGLU
+(`swiglu`); its experts' down bias is added outside the grouped matmuls, as the routing
+weights' sum of the chosen experts' biases (the same under every split of the experts).
 
 Dense layers among the sparse ones (Qwen3-MoE's mlp_only_layers, decoder_sparse_step;
 ArchConfig.moe_layers): `MixedMLP` holds each kind's weights stacked over its own layers,
@@ -51,6 +55,16 @@ def _one_expert(w: Experts, e: jax.Array, dtype: Any) -> jax.Array:
 def _float_stack(w: Experts, dtype: Any) -> jax.Array:
     return w if not isinstance(w, tuple) else jnp.swapaxes(
         dequantize_int8(w[0], w[1].astype(dtype)), -1, -2)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, cfg: ArchConfig) -> jax.Array:
+    """The experts' activation: SiLU(gate) * up, or GPT-OSS's clamped variant."""
+    if cfg.swiglu_limit is None:
+        return nn.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -119,10 +133,12 @@ def grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array, platform: 
 
 def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Experts,
                 w_up: Experts, w_down: Experts, first_expert: jax.Array | int = 0,
-                platform: str = "cpu") -> jax.Array:
+                platform: str = "cpu", cfg: ArchConfig | None = None,
+                biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """[T, H]: the routed experts' SwiGLU outputs summed per token, for the experts this
     device holds (`w_*` [E_local, ...], experts first_expert..+E_local); pairs routed
-    elsewhere contribute nothing."""
+    elsewhere contribute nothing. `cfg` picks the activation (`swiglu`); `biases`: the
+    gate and up projections' [E_local, I]."""
     T, k = experts.shape
     E = _num_experts(w_gate)
     local = experts.reshape(-1) - first_expert  # [T*k]
@@ -134,7 +150,11 @@ def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Ex
     xs = x[token]
     gate = grouped_matmul(xs, w_gate, group_sizes, platform)
     up = grouped_matmul(xs, w_up, group_sizes, platform)
-    out = grouped_matmul((nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes, platform)
+    if biases is not None:  # each pair's expert's (pairs of other devices' read junk, dropped)
+        e = jnp.clip(local[order], 0, E - 1)
+        gate, up = gate + biases[0][e], up + biases[1][e]
+    act = nn.silu(gate) * up if cfg is None else swiglu(gate, up, cfg)
+    out = grouped_matmul(act.astype(x.dtype), w_down, group_sizes, platform)
     w = weights.reshape(-1)[order][:, None]
     # NOTE: where, not a product: rows outside every group are not defined by ragged_dot.
     contrib = jnp.where(mine[order][:, None], out.astype(jnp.float32) * w, 0.0)
@@ -152,13 +172,28 @@ def check_experts_split(cfg: ArchConfig, tp: int, ep: bool) -> None:
 
 
 def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate: Experts,
-            w_up: Experts, w_down: Experts) -> jax.Array:
-    """One layer's mixture of experts on x [T, H] (router [H, E], this layer's expert stacks),
-    under the mesh's "model" axis when there is one (the module docstring has how)."""
-    I = cfg.moe_intermediate_size
-    weights, experts = route(x @ router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            w_up: Experts, w_down: Experts, bias: dict[str, jax.Array] | None = None
+            ) -> jax.Array:
+    """One layer's mixture of experts on x [T, H] (router [H, E], this layer's expert stacks;
+    `bias`: GPT-OSS's "gate" [E], "b_gate" / "b_up" [E, I], "b_down" [E, H]), under the
+    mesh's "model" axis when there is one (the module docstring has how)."""
+    logits = x @ router if bias is None else x @ router + bias["gate"]
+    weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    biases = None if bias is None else (bias["b_gate"], bias["b_up"])
+    out = _experts_on_mesh(cfg, opts, x, weights, experts, w_gate, w_up, w_down, biases)
+    if bias is not None:  # sum_k w_k (down_k + b_down[e_k]): the biases' part, replicated
+        out = out + jnp.einsum("tk,tkh->th", weights, bias["b_down"][experts].astype(
+            jnp.float32)).astype(out.dtype)
+    return out
+
+
+def _experts_on_mesh(cfg: ArchConfig, opts: Any, x: jax.Array, weights: jax.Array,
+                     experts: jax.Array, w_gate: Experts, w_up: Experts, w_down: Experts,
+                     biases: tuple[jax.Array, jax.Array] | None) -> jax.Array:
     if opts.mesh is None:
-        return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform)
+        return experts_ffn(x, weights, experts, w_gate, w_up, w_down, 0, opts.platform, cfg,
+                           biases)
+    I = cfg.moe_intermediate_size
     ep, tp = opts.expert_parallel, opts.mesh.shape["model"]
     check_experts_split(cfg, tp, ep)
     # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
@@ -172,16 +207,20 @@ def mixture(cfg: ArchConfig, opts: Any, x: jax.Array, router: jax.Array, w_gate:
         up_spec = (up_spec, up_spec)
         down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
 
-    def local(x, weights, experts, w_gate, w_up, w_down):
+    def local(x, weights, experts, w_gate, w_up, w_down, biases):
         first = jax.lax.axis_index("model") * _num_experts(w_gate) if ep else 0
-        out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform)
+        out = experts_ffn(x, weights, experts, w_gate, w_up, w_down, first, opts.platform,
+                          cfg, biases or None)
         return jax.lax.psum(out, "model")
 
     rep = PartitionSpec()
+    # The gate / up biases [E, I] split as their weights' outputs: by expert or by I.
+    bias_spec = PartitionSpec("model", None) if ep else PartitionSpec(None, "model")
     return jax.shard_map(local, mesh=opts.mesh,
-                         in_specs=(rep, rep, rep, up_spec, up_spec, down_spec),
+                         in_specs=(rep, rep, rep, up_spec, up_spec, down_spec,
+                                   () if biases is None else (bias_spec, bias_spec)),
                          out_specs=rep, check_vma=False)(x, weights, experts, w_gate, w_up,
-                                                         w_down)
+                                                         w_down, biases or ())
 
 
 class MoE(nn.Module):
@@ -207,7 +246,13 @@ class MoE(nn.Module):
             w_gate = self.param("w_gate", init, (E, H, I), opts.dtype)
             w_up = self.param("w_up", init, (E, H, I), opts.dtype)
             w_down = self.param("w_down", init, (E, I, H), opts.dtype)
-        return mixture(cfg, opts, x, router, w_gate, w_up, w_down)
+        bias = None
+        if cfg.expert_bias:
+            zeros = nn.initializers.zeros
+            bias = {name: self.param(name, zeros, shape, opts.dtype) for name, shape in (
+                ("gate_bias", (E,)), ("b_gate", (E, I)), ("b_up", (E, I)), ("b_down", (E, H)))}
+            bias["gate"] = bias.pop("gate_bias")
+        return mixture(cfg, opts, x, router, w_gate, w_up, w_down, bias)
 
 
 class Int8Stack(nn.Module):

@@ -73,6 +73,14 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "mlp", "w_gate"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "mlp", "w_up"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "mlp", "w_down"): ("layers", "experts", "expert_mlp", "embed"),
+    # GPT-OSS: sinks per q head, o_proj's bias, the router's and the experts' biases (the
+    # down bias is added outside the experts' shard_map, whole: models/moe.py)
+    ("layers", "self_attn", "sinks"): ("layers", "heads"),
+    ("layers", "self_attn", "o_proj", "bias"): ("layers", "embed"),
+    ("layers", "mlp", "gate_bias"): ("layers", None),
+    ("layers", "mlp", "b_gate"): ("layers", "experts", "expert_mlp"),
+    ("layers", "mlp", "b_up"): ("layers", "experts", "expert_mlp"),
+    ("layers", "mlp", "b_down"): ("layers", None, "embed"),
     # int8 experts: [out, in] per expert, scales split as their weights
     **{("layers", "mlp", w, leaf): ("layers", "experts", *axes)
        for w, axes in (("w_gate", ("expert_mlp", "embed")), ("w_up", ("expert_mlp", "embed")),
@@ -219,6 +227,9 @@ def adapt_heads(arch: ArchConfig, params: dict[str, Any], tp: int) -> tuple[Arch
     attn["k_proj"] = {k: kv_cols(v) for k, v in attn["k_proj"].items()}
     attn["v_proj"] = {k: kv_cols(v) for k, v in attn["v_proj"].items()}
     o = attn["o_proj"]["kernel"]  # [L, q_heads * D, H]: rows follow q's columns
-    attn["o_proj"] = {"kernel": np.swapaxes(q_cols(np.swapaxes(o, -1, -2)), -1, -2)}
+    attn["o_proj"] = {**attn["o_proj"], "kernel": np.swapaxes(q_cols(np.swapaxes(o, -1, -2)), -1, -2)}
+    if "sinks" in attn:  # [L, q_heads]: a padded head's sink never meets a real score
+        sinks = np.repeat(attn["sinks"][..., None], D, axis=-1).reshape(*attn["sinks"].shape[:-1], -1)
+        attn["sinks"] = q_cols(sinks)[..., ::D]
     layers = dict(params["params"]["layers"], self_attn=attn)
     return adapted_arch(arch, tp), {"params": dict(params["params"], layers=layers)}

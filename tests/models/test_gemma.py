@@ -13,7 +13,8 @@ import pytest
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.tiny import hf_logits, on_fake_devices, save_tiny_hf
+from tests.models.tiny import (
+    hf_greedy, hf_logits, hf_prompt_logprobs, on_fake_devices, save_tiny_hf)
 
 PROMPTS = [list(range(10, 60)), [3], [(5 * i) % 120 + 1 for i in range(23)]]
 WINDOW = 8  # every prompt but one is longer: local layers see only the last 8 keys
@@ -61,25 +62,6 @@ def test_gemma3_with_every_layer_sliding_takes_the_sliding_rope(tmp_path) -> Non
     assert arch.local_layers is None and arch.local_rope_theta != arch.rope_theta
     ours, ref = prompt_logits(LlamaForCausalLM(arch), params, PROMPTS[0]), hf_logits(model_dir, PROMPTS[0])
     assert np.abs(ours - ref).max() <= 1e-4
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    import torch
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
-
-def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> np.ndarray:
-    """log p(prompt[i] | prompt[:i]) for i >= 1, from transformers' logits."""
-    import torch
-
-    logits = torch.tensor(hf_logits(model_dir, prompt), dtype=torch.float64)
-    lp = torch.log_softmax(logits, -1)[:-1]
-    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])

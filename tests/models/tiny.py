@@ -52,6 +52,11 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
                       "norm_topk_prob": True, "head_dim": 16, **cfg_kwargs}
         cfg = transformers.Qwen3MoeConfig(**cfg_kwargs)
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "gpt_oss":  # alternating sliding and full layers by default
+        cfg_kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                      "sliding_window": 8, **cfg_kwargs}
+        cfg = transformers.GptOssConfig(**cfg_kwargs)
+        model = transformers.GptOssForCausalLM(cfg)
     elif kind == "mixtral":
         cfg_kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, **cfg_kwargs}
         cfg = transformers.MixtralConfig(**cfg_kwargs)
@@ -61,7 +66,7 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
     # Random init leaves norms at 1 and biases at 0; perturb them so a mix-up shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):
                 p.add_(0.1 * torch.randn_like(p))
     path = os.path.join(out_dir, kind)
     model.save_pretrained(path, safe_serialization=True)
@@ -75,6 +80,25 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> np.ndarray:
+    """log p(prompt[i] | prompt[:i]) for i >= 1, from transformers' logits."""
+    import torch
+
+    logits = torch.tensor(hf_logits(model_dir, prompt), dtype=torch.float64)
+    lp = torch.log_softmax(logits, -1)[:-1]
+    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
 
 
 def on_fake_devices(model_dir: str, configs: list[list], prompts: list[list[int]]) -> dict:

@@ -41,9 +41,16 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     ]
     if cfg.num_experts:  # the router here; the experts are stacked by _expert_params
         E = cfg.num_experts
-        router = (f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))
+        router = [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
+        if _gpt_oss(cfg):
+            router = [("mlp.router.weight", ("mlp", "gate"), True, (E, H)),
+                      ("mlp.router.bias", ("mlp", "gate_bias"), False, (E,))]
         # Dense layers among the sparse: both, each stacked over its own layers (_row_layers).
-        rows = rows + [router] if cfg.moe_layers is not None else rows[:-3] + [router]
+        rows = rows + router if cfg.moe_layers is not None else rows[:-3] + router
+    if cfg.attention_sinks:
+        rows.append(("self_attn.sinks", ("self_attn", "sinks"), False, (cfg.num_attention_heads,)))
+    if cfg.o_proj_bias:
+        rows.append(("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), False, (H,)))
     if cfg.gemma:  # the feed-forward's own sandwich norms
         rows += [(f"{n}.weight", (n, "scale"), False, (H,))
                  for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
@@ -68,6 +75,10 @@ def _row_layers(cfg: ArchConfig, path: tuple[str, ...]) -> list[int]:
     return cfg.stack_layers(path[1])
 
 
+def _gpt_oss(cfg: ArchConfig) -> bool:
+    return ARCHITECTURES[cfg.architecture].experts == "gpt_oss"
+
+
 def _moe_prefix(cfg: ArchConfig) -> str:
     return "block_sparse_moe" if ARCHITECTURES[cfg.architecture].experts == "mixtral" else "mlp"
 
@@ -83,6 +94,10 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     """Every sparse layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I];
     w_down: [.., I, H]) from one [out, in] tensor per expert; with `stored` (a checkpoint's
     own format: HF module name, shape -> leaves) each leaf stacked [L, E, out, ...]."""
+    if _gpt_oss(cfg):
+        if stored is not None:
+            raise ValueError(f"{source}: GPT-OSS's experts are read as float or MXFP4")
+        return _gpt_oss_experts(cfg, get, dtype, source)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
@@ -101,6 +116,39 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
             for e, n in enumerate(row):
                 stacked[j, e] = _fetch(get, n, shape, source).T
         out[name] = stacked
+    return out
+
+
+def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
+    """GPT-OSS's experts, stacked [L, E, ...] as _expert_params' and their biases (b_gate,
+    b_up [L, E, I], b_down [L, E, H]), from each layer's fused tensors: `gate_up_proj`
+    [E, H, 2I] (gate and up interleaved: columns 0, 2, .. are the gate's) and `down_proj`
+    [E, I, H], or their MXFP4 `_blocks` / `_scales` ([E, out, in] quantized, dequantized
+    here once, one layer at a time)."""
+    from jaxserve.models.checkpoint_quant import dequantize_mxfp4
+
+    E, H, I, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+
+    def matrix(prefix: str, n_in: int, n_out: int) -> np.ndarray:  # -> [E, n_in, n_out]
+        blocks = get(f"{prefix}_blocks")
+        if blocks is None:
+            return _fetch(get, prefix, (E, n_in, n_out), source)
+        scales = get(f"{prefix}_scales")
+        if scales is None:
+            raise WeightLoadError(f"{source}: tensor {prefix + '_scales'!r} is missing")
+        return dequantize_mxfp4(blocks, scales, prefix, (E, n_out, n_in)).swapaxes(1, 2)
+
+    out = {k: np.empty((L, E, *shape), dtype) for k, shape in (
+        ("w_gate", (H, I)), ("w_up", (H, I)), ("w_down", (I, H)),
+        ("b_gate", (I,)), ("b_up", (I,)), ("b_down", (H,)))}
+    for i in range(L):
+        p = f"model.layers.{i}.mlp.experts"
+        gate_up = matrix(f"{p}.gate_up_proj", H, 2 * I)
+        out["w_gate"][i], out["w_up"][i] = gate_up[..., 0::2], gate_up[..., 1::2]
+        out["w_down"][i] = matrix(f"{p}.down_proj", I, H)
+        bias = _fetch(get, f"{p}.gate_up_proj_bias", (E, 2 * I), source)
+        out["b_gate"][i], out["b_up"][i] = bias[:, 0::2], bias[:, 1::2]
+        out["b_down"][i] = _fetch(get, f"{p}.down_proj_bias", (E, H), source)
     return out
 
 
@@ -234,7 +282,8 @@ def build_params(
 
             check_experts(weight_format)
             for name, w in experts.items():
-                experts[name] = quantize_weight(w, weight_format, in_axis=-2)
+                if name in _EXPERT_NAMES:  # not GPT-OSS's biases
+                    experts[name] = quantize_weight(w, weight_format, in_axis=-2)
         layers["mlp"].update(experts)
     V, H = cfg.vocab_size, cfg.hidden_size
     if read_stored is not None:  # the checkpoint's float embedding and LM head

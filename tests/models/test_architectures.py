@@ -27,7 +27,7 @@ def test_readme_lists_the_registrys_architectures() -> None:
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM is not supported; supported: "
-                                         "Gemma2ForCausalLM, Gemma3ForCausalLM, Llama"):
+                                         "Gemma2ForCausalLM, Gemma3ForCausalLM, GptOss"):
         ArchConfig.from_hf_config({"architectures": ["GPTNeoXForCausalLM"]})
 
 

@@ -161,7 +161,10 @@ def weight_placements(params: Any, shardings: Any) -> Any:
     def one(leaf: Any, sharding: NamedSharding) -> NamedSharding | Format:
         tilings = WEIGHT_TILINGS.get(sharding.mesh.devices.flat[0].device_kind, {})
         tiling = tilings.get((len(leaf.shape), np.dtype(leaf.dtype).name))
-        if tiling is None:
+        # Only stacks that fill a tile: a smaller one (GPT-OSS's sinks [L, 64], its experts'
+        # down bias [L, 8, H] in a small config) is no copy worth avoiding, and tpu7x's
+        # compiler failed on such layouts (a shape mismatch, a crash).
+        if tiling is None or any(d < t for d, t in zip(leaf.shape[-2:], tiling[0])):
             return sharding
         return Format(Layout(major_to_minor=tuple(range(len(leaf.shape))), tiling=tiling), sharding)
 

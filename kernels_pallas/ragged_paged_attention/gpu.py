@@ -225,7 +225,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Same contract as the reference. Tuning: `block_q` query tokens per program and
     `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8
-    for head_dim > 128: Gemma's 256 spilled registers at 4 warps and 64 keys on H200) /
+    for head_dim > 128 or a sliding window: Gemma's 256 spilled registers at 4 warps and 64
+    keys on H200, and GPT-OSS's windowed heads of 64 in groups of 8 on H100) /
     `num_stages` for Triton (`check_tuning` says which compile; `check=False` skips it, to ask
     the compiler itself). head_dim and page_size must be powers of two. `sinks`: the
     reference's."""
@@ -240,7 +241,7 @@ def ragged_paged_attention(
     group_pad = next_pow2(group)
     default_bq, default_ppb = default_tuning(group_pad, head_dim, page_size)
     block_q, pages_per_block = block_q or default_bq, pages_per_block or default_ppb
-    num_warps = num_warps or (8 if head_dim > 128 else 4)
+    num_warps = num_warps or (8 if head_dim > 128 or sliding_window else 4)
     if check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
         check_tuning(block_q=block_q, pages_per_block=pages_per_block,
                      num_warps=num_warps, num_stages=num_stages)

@@ -440,6 +440,31 @@ def test_gemma3_compiles(target: str, gemma3_model: str) -> None:
     assert report.memory.max_concurrent_seqs > report.memory.max_concurrent_seqs_every_page_kept
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_model(tmp_path_factory) -> str:
+    """A GPT-OSS-shaped config.json: GPT-OSS-20B's attention (64 q heads over 8 KV heads of 64,
+    a 128-token window on every other layer, sinks) and biased experts, fewer and smaller."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("gpt-oss"))
+    transformers.GptOssConfig(
+        architectures=["GptOssForCausalLM"], vocab_size=32000, hidden_size=1024,
+        intermediate_size=1024, num_hidden_layers=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=4096).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu7x:1x1"])
+def test_gpt_oss_compiles(target: str, gpt_oss_model: str) -> None:
+    """Attention sinks in the GPU (Triton) and TPU (Mosaic) kernels, beside a window: on an
+    H100 the windowed kernel at GPT-OSS's heads spilled registers at 4 warps."""
+    report = _preflight(target, "--model", gpt_oss_model, "--programs", "forward",
+                        "--only-warm-up", *FIXED_CACHE)
+    _assert_clean(report)
+    assert [g["pages_per_seq"] for g in report.memory.kv_cache_groups] == [128, 9]
+
+
 def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
     """`--target A B --roofline --json`: one object with `targets` and `rows`; v6e:1x1 cannot
     hold -tp 2 (its error is its row's), v5e:2x2 still gets its estimate, its price and the

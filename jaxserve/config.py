@@ -369,6 +369,9 @@ class ResolvedConfig:
     # Which layers share a block table (jaxserve/kv_cache_spec.py): sliding-window layers
     # apart from full-attention ones, so their pages can be given back.
     kv_cache_groups: KVCacheGroups = FULL_ATTENTION
+    # The experts' own format where it is not weight_format's: GPT-OSS's MXFP4 experts kept
+    # at 4 bits (WeightFormat.CHECKPOINT_MXFP4), whatever the other weights are.
+    experts_weight_format: WeightFormat | None = None
 
 
 @dataclass(frozen=True)

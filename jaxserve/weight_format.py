@@ -32,6 +32,9 @@ class WeightFormat(enum.Enum):
     CHECKPOINT_INT4 = "checkpoint int4"
     CHECKPOINT_INT4_ZP = "checkpoint int4 zero points"  # int4 values, zero points times scales (AWQ)
     CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
+    # GPT-OSS's experts as stored: FP4 (E2M1) values, a power-of-two scale per 32 inputs
+    # (models/checkpoint_quant.py); only ever an experts' format (ResolvedConfig).
+    CHECKPOINT_MXFP4 = "checkpoint mxfp4"
 
     @classmethod
     def of(cls, quantization: str | None) -> WeightFormat:
@@ -45,7 +48,7 @@ class WeightFormat(enum.Enum):
         return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
                 WeightFormat.BF16_PACKED: "bf16", WeightFormat.CHECKPOINT_INT8: "int8",
                 WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
-                WeightFormat.CHECKPOINT_FP8: "fp8"}.get(self)
+                WeightFormat.CHECKPOINT_FP8: "fp8", WeightFormat.CHECKPOINT_MXFP4: "mxfp4"}.get(self)
 
     @property
     def quantized(self) -> bool:
@@ -57,7 +60,8 @@ class WeightFormat(enum.Enum):
     def from_checkpoint(self) -> bool:
         """The checkpoint's own quantized values, read as stored."""
         return self in (WeightFormat.CHECKPOINT_INT8, WeightFormat.CHECKPOINT_INT4,
-                        WeightFormat.CHECKPOINT_INT4_ZP, WeightFormat.CHECKPOINT_FP8)
+                        WeightFormat.CHECKPOINT_INT4_ZP, WeightFormat.CHECKPOINT_FP8,
+                        WeightFormat.CHECKPOINT_MXFP4)
 
     @property
     def scaled(self) -> bool:
@@ -67,7 +71,8 @@ class WeightFormat(enum.Enum):
     @property
     def values_dtype(self) -> str:  # a scaled format's `qweight` (JAX's and ml_dtypes' name)
         return {WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
-                WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn"}.get(self, "int8")
+                WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn",
+                WeightFormat.CHECKPOINT_MXFP4: "float4_e2m1fn"}.get(self, "int8")
 
     @property
     def zero_points(self) -> bool:

@@ -91,6 +91,10 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
     refuse_contradictions(arch, weight_format, pc)
+    experts_format, experts_reason = resolve_experts_format(files, arch, tp,
+                                                            pc.enable_expert_parallel)
+    if experts_reason:
+        reason = f"{reason}; {experts_reason}"
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     dtype = resolve_dtype(mc.dtype, platform)
     resolved = ResolvedConfig(
@@ -103,7 +107,8 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         weight_group_size=group_size, weight_act_order=act_order,
         classifier=resolve_classifier(files, arch, mc),
         kv_cache_groups=resolve_kv_cache_groups(
-            arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager))
+            arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager),
+        experts_weight_format=experts_format)
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),
@@ -253,6 +258,24 @@ def resolve_checkpoint_format(
     group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
     order = ", inputs permuted into their groups (desc_act)" if cq.desc_act else ""
     return (fmt, group, cq.desc_act), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values{order}"
+
+
+def resolve_experts_format(files: ModelFiles, arch: ArchConfig, tp: int, ep: bool
+                           ) -> tuple[WeightFormat | None, str]:
+    """(the experts' own format, why) for a checkpoint whose experts alone are quantized:
+    GPT-OSS's MXFP4 experts stay at 4 bits (FP4 values, a scale per 32 inputs) on every
+    platform, unless tensor parallelism without expert parallelism would split a down
+    projection's 32-input groups; then they are dequantized at load (None)."""
+    if files.format is not ModelFormat.HF or not arch.num_experts:
+        return None, ""
+    qc = read_hf_config(files.path, files.hf_overrides).get("quantization_config") or {}
+    if qc.get("quant_method") != "mxfp4":
+        return None, ""
+    groups = arch.moe_intermediate_size // checkpoint_quant.MXFP4_BLOCK
+    if tp > 1 and not ep and groups % tp:
+        return None, (f"MXFP4 experts dequantized at load: -tp {tp} would split their "
+                      f"{groups} scale groups (--enable-expert-parallel keeps them at 4 bits)")
+    return WeightFormat.CHECKPOINT_MXFP4, "MXFP4 experts kept as FP4 values"
 
 
 def resolve_packed_weights(fmt: WeightFormat, platform: str, tp: int, pp: int,

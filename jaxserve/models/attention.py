@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 import kernels_pallas
 from jaxserve.config import KVCacheDtype, WeightFormat
 from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
+from jaxserve.models.checkpoint_quant import MXFP4_BLOCK
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm
@@ -49,6 +50,8 @@ class ModelOptions:
     # Which block table and cache slot each layer uses (jaxserve/kv_cache_spec.py).
     kv_cache_groups: KVCacheGroups = FULL_ATTENTION
     expert_parallel: bool = False  # mixture of experts: whole experts per device (moe.py)
+    # The experts' own format, if not weight_format's (ResolvedConfig.experts_weight_format).
+    experts_format: WeightFormat | None = None
     platform: str = "cpu"  # the devices' platform (moe.py picks its grouped matmul by it)
 
     # Layers per iteration of the scan over layers; None: the platform's choice (below). The
@@ -65,6 +68,13 @@ class ModelOptions:
         if self.layer_unroll is not None:
             return min(self.layer_unroll, num_layers)
         return num_layers if self.platform == "gpu" else 1
+
+    @property
+    def experts_weights(self) -> tuple[WeightFormat, int | None]:
+        """The experts' (format, inputs per scale): their own, or the other weights'."""
+        if self.experts_format is WeightFormat.CHECKPOINT_MXFP4:
+            return self.experts_format, MXFP4_BLOCK
+        return self.weight_format, self.weight_group_size
 
     @property
     def cpu_kernel(self) -> bool:

@@ -175,12 +175,13 @@ MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 MXFP4_BLOCK = 32  # values per shared scale
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
-                     shape: tuple[int, ...]) -> np.ndarray:
-    """MXFP4 (GPT-OSS's experts) -> float32 `shape` [..., out, in]. `blocks` uint8
-    [..., out, in / 32, 16]: two FP4 values a byte, the low nibble first; `scales` uint8
-    [..., out, in / 32]: each block's power of two, biased by 127 (E8M0).
-    CheckpointQuantError names the tensor `name`(_blocks / _scales) when they disagree."""
+def unpack_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
+                 shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 (GPT-OSS's experts) -> (FP4 values float32 `shape` [..., out, in], scales float32
+    [..., out, in / 32]). `blocks` uint8 [..., out, in / 32, 16]: two FP4 values a byte, the
+    low nibble first; `scales` uint8 [..., out, in / 32]: each block's power of two, biased by
+    127 (E8M0). CheckpointQuantError names the tensor `name`(_blocks / _scales) when they
+    disagree."""
     *lead, n_in = shape
     want = (*lead, n_in // MXFP4_BLOCK, MXFP4_BLOCK // 2)
     if n_in % MXFP4_BLOCK or blocks.dtype != np.uint8 or tuple(blocks.shape) != want:
@@ -193,8 +194,15 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
     values = np.empty((*want[:-1], MXFP4_BLOCK), np.float32)
     values[..., 0::2] = MXFP4_VALUES[blocks & 0x0F]
     values[..., 1::2] = MXFP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None])
-    return values.reshape(shape)
+    return values.reshape(shape), np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
+                     shape: tuple[int, ...]) -> np.ndarray:
+    """MXFP4 -> float32 `shape` [..., out, in] (`unpack_mxfp4`'s values times their scales)."""
+    values, scale = unpack_mxfp4(blocks, scales, name, shape)
+    grouped = values.reshape(*shape[:-1], -1, MXFP4_BLOCK) * scale[..., None]
+    return grouped.reshape(shape)
 
 
 def _fp8_block(qc: dict[str, Any], where: str) -> CheckpointQuant:

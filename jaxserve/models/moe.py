@@ -52,9 +52,18 @@ def _one_expert(w: Experts, e: jax.Array, dtype: Any) -> jax.Array:
     return dequantize_int8(q, s.astype(dtype)).T
 
 
-def _float_stack(w: Experts, dtype: Any) -> jax.Array:
-    return w if not isinstance(w, tuple) else jnp.swapaxes(
-        dequantize_int8(w[0], w[1].astype(dtype)), -1, -2)
+def _dequantized(w: tuple[jax.Array, jax.Array], dtype: Any) -> jax.Array:
+    """A layer's scaled expert stack as float, in its own [E, out, in] order. NOTE: the
+    barrier keeps the dequantization at its layer: without it, XLA's unrolled GPU forward
+    dequantized every layer's stack at once (a temp of all the experts in float)."""
+    q, s = jax.lax.optimization_barrier(w)
+    return dequantize_int8(q, s.astype(dtype))
+
+
+# ragged_dot over a stack in [E, out, in] order: rows [M, in] contract with each expert's in.
+_OUT_IN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
 
 
 def swiglu(gate: jax.Array, up: jax.Array, cfg: ArchConfig) -> jax.Array:
@@ -128,7 +137,9 @@ def grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array, platform: 
     multiplies every row by every group; int8 dequantized one block's expert at a time)."""
     if platform == "cpu":
         return blocked_grouped_matmul(xs, w, group_sizes)
-    return jax.lax.ragged_dot(xs, _float_stack(w, xs.dtype), group_sizes)
+    if isinstance(w, tuple):  # no transposed copy of the dequantized stack
+        return jax.lax.ragged_dot_general(xs, _dequantized(w, xs.dtype), group_sizes, _OUT_IN)
+    return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
 def experts_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: Experts,
@@ -198,12 +209,13 @@ def _experts_on_mesh(cfg: ArchConfig, opts: Any, x: jax.Array, weights: jax.Arra
     check_experts_split(cfg, tp, ep)
     # Where I, the intermediate size, sits: float [E, H, I] / [E, I, H]; int8 [E, I, H] /
     # [E, H, I] (and their scales alike).
-    int8 = opts.weight_format.scaled
+    fmt, group_size = opts.experts_weights
+    int8 = fmt.scaled
     spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
         lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
     up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
     if int8:  # down's scales: one per input group, whole when tp does not divide them
-        whole = not ep and num_groups(I, opts.weight_group_size) % tp
+        whole = not ep and num_groups(I, group_size) % tp
         up_spec = (up_spec, up_spec)
         down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
 
@@ -235,11 +247,12 @@ class MoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
-        if opts.weight_format.scaled:  # the whole stack, this layer's taken
+        fmt, group_size = opts.experts_weights
+        if fmt.scaled:  # the whole stack, this layer's taken
             L = cfg.num_hidden_layers
             w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, INT8_LAYERS,
-                                                    opts.weight_format.values_dtype,
-                                                    opts.weight_group_size, name=name)(), layer)
+                                                    fmt.values_dtype, group_size, name=name)(),
+                                          layer)
                                     for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
                                                               ("w_down", H, I)))
         else:

@@ -121,7 +121,8 @@ class Worker:
             weight_group_size=r.weight_group_size if self.weight_format.from_checkpoint else GROUP_SIZE,
             weight_act_order=r.weight_act_order,
             kv_cache_dtype=r.kv_cache_dtype, kv_cache_groups=r.kv_cache_groups,
-            expert_parallel=config.parallel_config.enable_expert_parallel, platform=self.platform)
+            expert_parallel=config.parallel_config.enable_expert_parallel,
+            experts_format=r.experts_weight_format, platform=self.platform)
         self.runner: ModelRunner | None = None
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
@@ -179,7 +180,8 @@ class Worker:
         # are read in their format, one tensor at a time.
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
         return load_checkpoint(files, self.dtype,
-                               self.weight_format if read_as_int8 else WeightFormat.FLOAT)
+                               self.weight_format if read_as_int8 else WeightFormat.FLOAT,
+                               self.config.resolved.experts_weight_format)
 
     @property
     def kv_layout(self) -> kernels_pallas.KVCacheLayout:

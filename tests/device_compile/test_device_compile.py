@@ -451,18 +451,22 @@ def gpt_oss_model(tmp_path_factory) -> str:
         architectures=["GptOssForCausalLM"], vocab_size=32000, hidden_size=1024,
         intermediate_size=1024, num_hidden_layers=4, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=8, num_experts_per_tok=4,
-        sliding_window=128, max_position_embeddings=4096).save_pretrained(path)
+        sliding_window=128, max_position_embeddings=4096,
+        quantization_config={"quant_method": "mxfp4"}).save_pretrained(path)
     return path
 
 
 @pytest.mark.parametrize("target", ["h100", "tpu7x:1x1"])
 def test_gpt_oss_compiles(target: str, gpt_oss_model: str) -> None:
-    """Attention sinks in the GPU (Triton) and TPU (Mosaic) kernels, beside a window: on an
-    H100 the windowed kernel at GPT-OSS's heads spilled registers at 4 warps."""
+    """Attention sinks in the GPU (Triton) and TPU (Mosaic) kernels, beside a window (on an
+    H100 the windowed kernel at GPT-OSS's heads spilled registers at 4 warps), and MXFP4
+    experts kept at 4 bits: 4 x 8 x 3 x 1024^2 values, half a byte each with a float32 scale
+    per 32, beside 206 MB of bf16 embeddings and attention (bf16 experts: 406 MB)."""
     report = _preflight(target, "--model", gpt_oss_model, "--programs", "forward",
                         "--only-warm-up", *FIXED_CACHE)
     _assert_clean(report)
     assert [g["pages_per_seq"] for g in report.memory.kv_cache_groups] == [128, 9]
+    assert report.memory.weight_bytes < 300 * 2**20
 
 
 def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:

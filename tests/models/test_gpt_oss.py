@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jaxserve.config import WeightFormat
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.checkpoint_quant import MXFP4_BLOCK, MXFP4_VALUES
 from jaxserve.models.loaders import load_checkpoint
@@ -108,6 +109,7 @@ def test_gpt_oss_through_the_engine(gpt_oss) -> None:
     llm = LLM(mx_dir, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=64,
               enforce_eager=True)
+    assert llm.config.resolved.experts_weight_format is WeightFormat.CHECKPOINT_MXFP4
     groups = llm.config.resolved.kv_cache_groups
     assert [g.sliding_window for g in groups.groups] == [None, WINDOW]
     prompts = PROMPTS + [list(range(100, 20, -1)), PROMPTS[0][:60] + [7, 8, 9]]
@@ -126,12 +128,16 @@ def test_gpt_oss_through_the_engine(gpt_oss) -> None:
 
 
 def test_gpt_oss_tensor_and_expert_parallel_on_fake_devices(gpt_oss) -> None:
-    """Heads and sinks split over 2 devices; the experts split by their intermediate size,
-    then whole experts per device (--enable-expert-parallel): the same greedy tokens."""
+    """Heads and sinks split over 2 devices; the experts split by their intermediate size
+    (dequantized at load: 2 devices would split their 3 scale groups), then whole experts
+    per device (--enable-expert-parallel), at 4 bits: the same greedy tokens."""
     float_dir, mx_dir = gpt_oss
     res = on_fake_devices(mx_dir, [[2, False], [2, True]], PROMPTS)
     want = hf_greedy(float_dir, PROMPTS, 16)
     assert res["tp2-ep0"]["tokens"] == want and res["tp2-ep1"]["tokens"] == want
+    assert res["tp2-ep0"]["experts_dtype"] != "float4_e2m1fn"
+    assert res["tp2-ep1"]["experts_dtype"] == "float4_e2m1fn"
+    assert res["tp2-ep1"]["w_gate_spec"] == "P(None, 'model', None, None)"  # [L, E, out, in]
 
 
 def _edit(model_dir: str, out: str, config: dict | None = None,

@@ -47,8 +47,9 @@ def main() -> None:
             experts = jax.tree.leaves([mlp[n] for n in ("w_gate", "w_up", "w_down")])
             r["expert_bytes_per_device"] = sum(a.addressable_shards[0].data.nbytes for a in experts)
             r["expert_bytes"] = sum(a.nbytes for a in experts)
-            gate = mlp["w_gate"]["qweight"] if quant else mlp["w_gate"]
+            gate = mlp["w_gate"]["qweight"] if isinstance(mlp["w_gate"], dict) else mlp["w_gate"]
             r["w_gate_spec"] = str(gate.sharding.spec)
+            r["experts_dtype"] = str(gate.dtype)
     print("RESULTS " + json.dumps(results))
 
 

@@ -13,13 +13,15 @@ from jaxserve.models.loaders.weights import WeightLoadError
 
 
 def load_checkpoint(
-    model: str | ModelFiles | None, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT
+    model: str | ModelFiles | None, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT,
+    experts_format: WeightFormat | None = None,
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Read weights as host NumPy arrays in `dtype`; the worker places them.
 
     With a quantized `weight_format` (int8, bf16) the projections and embedding come back in that format
     (models/quantization.py), quantized one tensor at a time as they are read (GGUF and
-    safetensors; an Orbax checkpoint is restored whole, then quantized).
+    safetensors; an Orbax checkpoint is restored whole, then quantized). `experts_format`:
+    the experts' own (ResolvedConfig.experts_weight_format; safetensors only).
     """
     files = model if isinstance(model, ModelFiles) else resolve_model(model)
     dtype = np.dtype(dtype)
@@ -30,7 +32,7 @@ def load_checkpoint(
     if files.format == ModelFormat.HF:
         from jaxserve.models.loaders.hf import load_hf_dir
 
-        return load_hf_dir(files.path, dtype, weight_format, files.hf_overrides)
+        return load_hf_dir(files.path, dtype, weight_format, files.hf_overrides, experts_format)
     from jaxserve.models.loaders.orbax_loader import read_orbax_arch, restore_orbax
     from jaxserve.models.quantization import quantize_params
 

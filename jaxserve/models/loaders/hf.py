@@ -46,7 +46,7 @@ def _read_float8(path: str, name: str) -> np.ndarray | None:
 
 def load_hf_dir(
     model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT,
-    hf_overrides: str | None = None,
+    hf_overrides: str | None = None, experts_format: WeightFormat | None = None,
 ) -> tuple[ArchConfig, dict[str, Any]]:
     """Return the architecture and the param tree of a safetensors checkpoint. A checkpoint
     stored quantized (models/checkpoint_quant.py) is read by its format's formula."""
@@ -85,7 +85,7 @@ def load_hf_dir(
         if weight_format.from_checkpoint:  # the layers' projections are read as stored
             shapes = {k: v for k, v in shapes.items() if k == "lm_head.weight"}
         get = checkpoint_quant.dequantizing_get(get, cq, shapes, model_dir)
-    return arch, build_params(arch, get, dtype, model_dir, weight_format, cq)
+    return arch, build_params(arch, get, dtype, model_dir, weight_format, cq, experts_format)
 
 
 def load_score_head(model_dir: str, classifier: ClassifierConfig, hidden_size: int) -> np.ndarray:

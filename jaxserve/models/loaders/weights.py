@@ -90,14 +90,14 @@ _EXPERT_NAMES = {"w_gate": ("w1", "gate_proj"), "w_up": ("w3", "up_proj"),
 
 def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
                    stored: Callable[[str, tuple[int, int]], dict[str, np.ndarray]] | None = None,
-                   ) -> dict[str, Any]:
+                   mxfp4: bool = False) -> dict[str, Any]:
     """Every sparse layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I];
     w_down: [.., I, H]) from one [out, in] tensor per expert; with `stored` (a checkpoint's
     own format: HF module name, shape -> leaves) each leaf stacked [L, E, out, ...]."""
     if _gpt_oss(cfg):
         if stored is not None:
             raise ValueError(f"{source}: GPT-OSS's experts are read as float or MXFP4")
-        return _gpt_oss_experts(cfg, get, dtype, source)
+        return _gpt_oss_experts(cfg, get, dtype, source, mxfp4)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
@@ -119,36 +119,65 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     return out
 
 
-def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str) -> dict[str, Any]:
+def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
+                     mxfp4: bool) -> dict[str, Any]:
     """GPT-OSS's experts, stacked [L, E, ...] as _expert_params' and their biases (b_gate,
     b_up [L, E, I], b_down [L, E, H]), from each layer's fused tensors: `gate_up_proj`
     [E, H, 2I] (gate and up interleaved: columns 0, 2, .. are the gate's) and `down_proj`
-    [E, I, H], or their MXFP4 `_blocks` / `_scales` ([E, out, in] quantized, dequantized
-    here once, one layer at a time)."""
-    from jaxserve.models.checkpoint_quant import dequantize_mxfp4
+    [E, I, H], or their MXFP4 `_blocks` / `_scales` ([E, out, in] quantized), dequantized here
+    once, one layer at a time; with `mxfp4` kept as stored: `qweight` FP4 values [L, E, out,
+    in] and `scale` float32 [L, E, out, in / 32] (models/moe.py's Int8Stack)."""
+    import ml_dtypes
+
+    from jaxserve.models.checkpoint_quant import dequantize_mxfp4, unpack_mxfp4
 
     E, H, I, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
 
-    def matrix(prefix: str, n_in: int, n_out: int) -> np.ndarray:  # -> [E, n_in, n_out]
-        blocks = get(f"{prefix}_blocks")
-        if blocks is None:
-            return _fetch(get, prefix, (E, n_in, n_out), source)
-        scales = get(f"{prefix}_scales")
-        if scales is None:
-            raise WeightLoadError(f"{source}: tensor {prefix + '_scales'!r} is missing")
-        return dequantize_mxfp4(blocks, scales, prefix, (E, n_out, n_in)).swapaxes(1, 2)
+    def quantized(prefix: str, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray] | None:
+        blocks, scales = get(f"{prefix}_blocks"), get(f"{prefix}_scales")
+        if blocks is None and not mxfp4:
+            return None
+        for name, t in ((f"{prefix}_blocks", blocks), (f"{prefix}_scales", scales)):
+            if t is None:
+                raise WeightLoadError(f"{source}: tensor {name!r} is missing")
+        return blocks, scales
 
-    out = {k: np.empty((L, E, *shape), dtype) for k, shape in (
-        ("w_gate", (H, I)), ("w_up", (H, I)), ("w_down", (I, H)),
-        ("b_gate", (I,)), ("b_up", (I,)), ("b_down", (H,)))}
+    def matrix(prefix: str, n_in: int, n_out: int) -> Any:
+        """[E, n_in, n_out] float, or with `mxfp4` (values [E, n_out, n_in], scales)."""
+        q = quantized(prefix, n_in, n_out)
+        if q is None:
+            return _fetch(get, prefix, (E, n_in, n_out), source)
+        if mxfp4:
+            values, scale = unpack_mxfp4(*q, prefix, (E, n_out, n_in))
+            return values.astype(ml_dtypes.float4_e2m1fn), scale
+        return dequantize_mxfp4(*q, prefix, (E, n_out, n_in)).swapaxes(1, 2)
+
+    def rows(m: Any, part: slice) -> Any:  # the gate's or up's outputs of gate_up
+        return tuple(a[:, part] for a in m) if mxfp4 else m[..., part]
+
+    out: dict[str, Any] = {}
+
+    def put(name: str, i: int, value: Any) -> None:
+        """Layer i's leaf (or MXFP4 leaves) into its [L, ...] stack, made at the first layer:
+        only one layer is ever float32 at once."""
+        leaves = dict(zip(("qweight", "scale"), value)) if isinstance(value, tuple) else {
+            None: np.asarray(value, dtype)}
+        if name not in out:
+            made = {k: np.empty((L, *v.shape), v.dtype) for k, v in leaves.items()}
+            out[name] = made[None] if None in made else made
+        for k, v in leaves.items():
+            (out[name] if k is None else out[name][k])[i] = v
+
     for i in range(L):
         p = f"model.layers.{i}.mlp.experts"
         gate_up = matrix(f"{p}.gate_up_proj", H, 2 * I)
-        out["w_gate"][i], out["w_up"][i] = gate_up[..., 0::2], gate_up[..., 1::2]
-        out["w_down"][i] = matrix(f"{p}.down_proj", I, H)
+        put("w_gate", i, rows(gate_up, slice(0, None, 2)))
+        put("w_up", i, rows(gate_up, slice(1, None, 2)))
+        put("w_down", i, matrix(f"{p}.down_proj", I, H))
         bias = _fetch(get, f"{p}.gate_up_proj_bias", (E, 2 * I), source)
-        out["b_gate"][i], out["b_up"][i] = bias[:, 0::2], bias[:, 1::2]
-        out["b_down"][i] = _fetch(get, f"{p}.down_proj_bias", (E, H), source)
+        put("b_gate", i, bias[:, 0::2])
+        put("b_up", i, bias[:, 1::2])
+        put("b_down", i, _fetch(get, f"{p}.down_proj_bias", (E, H), source))
     return out
 
 
@@ -226,6 +255,7 @@ def _fetch_quantized(get: GetTensor, name: str, shape: tuple[int, int], source: 
 def build_params(
     cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     weight_format: WeightFormat = WeightFormat.FLOAT, stored: CheckpointQuant | None = None,
+    experts_format: WeightFormat | None = None,
 ) -> dict[str, Any]:
     """Assemble the Flax param tree `{"params": ...}` as NumPy arrays of `dtype`.
 
@@ -276,8 +306,9 @@ def build_params(
             stacked[j] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
-        experts = _expert_params(cfg, get, dtype, source, read_stored)
-        if weight_format.quantized and read_stored is None:  # one stack at a time in float, then quantized
+        mxfp4 = experts_format is WeightFormat.CHECKPOINT_MXFP4
+        experts = _expert_params(cfg, get, dtype, source, read_stored, mxfp4)
+        if weight_format.quantized and read_stored is None and not mxfp4:  # one stack at a time in float, then quantized
             from jaxserve.models.quantization import check_experts, quantize_weight
 
             check_experts(weight_format)

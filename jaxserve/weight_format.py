@@ -32,9 +32,12 @@ class WeightFormat(enum.Enum):
     CHECKPOINT_INT4 = "checkpoint int4"
     CHECKPOINT_INT4_ZP = "checkpoint int4 zero points"  # int4 values, zero points times scales (AWQ)
     CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
-    # GPT-OSS's experts as stored: FP4 (E2M1) values, a power-of-two scale per 32 inputs
-    # (models/checkpoint_quant.py); only ever an experts' format (ResolvedConfig).
+    # GPT-OSS's experts at 4 bits: FP4 (E2M1) values, a power-of-two scale per 32 inputs
+    # (models/checkpoint_quant.py); only ever an experts' format (ResolvedConfig). As float4
+    # values and float32 scales; or (GPUs, where XLA copied a float4 stack whole) as the
+    # checkpoint stores them: two values a byte and each scale's biased exponent, uint8.
     CHECKPOINT_MXFP4 = "checkpoint mxfp4"
+    CHECKPOINT_MXFP4_PACKED = "checkpoint mxfp4 packed"
 
     @classmethod
     def of(cls, quantization: str | None) -> WeightFormat:
@@ -48,7 +51,8 @@ class WeightFormat(enum.Enum):
         return {WeightFormat.INT8: "int8", WeightFormat.BF16: "bf16",
                 WeightFormat.BF16_PACKED: "bf16", WeightFormat.CHECKPOINT_INT8: "int8",
                 WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
-                WeightFormat.CHECKPOINT_FP8: "fp8", WeightFormat.CHECKPOINT_MXFP4: "mxfp4"}.get(self)
+                WeightFormat.CHECKPOINT_FP8: "fp8", WeightFormat.CHECKPOINT_MXFP4: "mxfp4",
+                WeightFormat.CHECKPOINT_MXFP4_PACKED: "mxfp4"}.get(self)
 
     @property
     def quantized(self) -> bool:
@@ -61,7 +65,7 @@ class WeightFormat(enum.Enum):
         """The checkpoint's own quantized values, read as stored."""
         return self in (WeightFormat.CHECKPOINT_INT8, WeightFormat.CHECKPOINT_INT4,
                         WeightFormat.CHECKPOINT_INT4_ZP, WeightFormat.CHECKPOINT_FP8,
-                        WeightFormat.CHECKPOINT_MXFP4)
+                        WeightFormat.CHECKPOINT_MXFP4, WeightFormat.CHECKPOINT_MXFP4_PACKED)
 
     @property
     def scaled(self) -> bool:
@@ -72,7 +76,20 @@ class WeightFormat(enum.Enum):
     def values_dtype(self) -> str:  # a scaled format's `qweight` (JAX's and ml_dtypes' name)
         return {WeightFormat.CHECKPOINT_INT4: "int4", WeightFormat.CHECKPOINT_INT4_ZP: "int4",
                 WeightFormat.CHECKPOINT_FP8: "float8_e4m3fn",
-                WeightFormat.CHECKPOINT_MXFP4: "float4_e2m1fn"}.get(self, "int8")
+                WeightFormat.CHECKPOINT_MXFP4: "float4_e2m1fn",
+                WeightFormat.CHECKPOINT_MXFP4_PACKED: "uint8"}.get(self, "int8")
+
+    @property
+    def values_per_byte(self) -> int:  # a scaled format's values in one `qweight` element
+        return 2 if self is WeightFormat.CHECKPOINT_MXFP4_PACKED else 1
+
+    @property
+    def scale_dtype(self) -> str:  # a scaled format's `scale`
+        return "uint8" if self is WeightFormat.CHECKPOINT_MXFP4_PACKED else "float32"
+
+    @property
+    def mxfp4(self) -> bool:
+        return self in (WeightFormat.CHECKPOINT_MXFP4, WeightFormat.CHECKPOINT_MXFP4_PACKED)
 
     @property
     def zero_points(self) -> bool:

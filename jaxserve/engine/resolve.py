@@ -91,7 +91,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
     refuse_contradictions(arch, weight_format, pc)
-    experts_format, experts_reason = resolve_experts_format(files, arch, tp,
+    experts_format, experts_reason = resolve_experts_format(files, arch, platform, tp,
                                                             pc.enable_expert_parallel)
     if experts_reason:
         reason = f"{reason}; {experts_reason}"
@@ -260,12 +260,13 @@ def resolve_checkpoint_format(
     return (fmt, group, cq.desc_act), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values{order}"
 
 
-def resolve_experts_format(files: ModelFiles, arch: ArchConfig, tp: int, ep: bool
-                           ) -> tuple[WeightFormat | None, str]:
+def resolve_experts_format(files: ModelFiles, arch: ArchConfig, platform: str, tp: int,
+                           ep: bool) -> tuple[WeightFormat | None, str]:
     """(the experts' own format, why) for a checkpoint whose experts alone are quantized:
     GPT-OSS's MXFP4 experts stay at 4 bits (FP4 values, a scale per 32 inputs) on every
-    platform, unless tensor parallelism without expert parallelism would split a down
-    projection's 32-input groups; then they are dequantized at load (None)."""
+    platform (GPUs: packed as stored), unless tensor parallelism without expert parallelism
+    would split a down projection's 32-input groups; then they are dequantized at load
+    (None)."""
     if files.format is not ModelFormat.HF or not arch.num_experts:
         return None, ""
     qc = read_hf_config(files.path, files.hf_overrides).get("quantization_config") or {}
@@ -275,6 +276,8 @@ def resolve_experts_format(files: ModelFiles, arch: ArchConfig, tp: int, ep: boo
     if tp > 1 and not ep and groups % tp:
         return None, (f"MXFP4 experts dequantized at load: -tp {tp} would split their "
                       f"{groups} scale groups (--enable-expert-parallel keeps them at 4 bits)")
+    if platform == "gpu":
+        return WeightFormat.CHECKPOINT_MXFP4_PACKED, "MXFP4 experts kept as stored (4 bits)"
     return WeightFormat.CHECKPOINT_MXFP4, "MXFP4 experts kept as FP4 values"
 
 

@@ -72,7 +72,7 @@ class ModelOptions:
     @property
     def experts_weights(self) -> tuple[WeightFormat, int | None]:
         """The experts' (format, inputs per scale): their own, or the other weights'."""
-        if self.experts_format is WeightFormat.CHECKPOINT_MXFP4:
+        if self.experts_format is not None and self.experts_format.mxfp4:
             return self.experts_format, MXFP4_BLOCK
         return self.weight_format, self.weight_group_size
 

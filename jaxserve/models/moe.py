@@ -44,20 +44,38 @@ def _num_experts(w: Experts) -> int:
     return (w[0] if isinstance(w, tuple) else w).shape[0]
 
 
+def dequantize(q: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
+    """Scaled experts [..., out, in] in `dtype`: values times their group's scale; packed
+    MXFP4 (uint8: two FP4 codes a byte, the low nibble first; scales the exponents biased by
+    127) decoded with integer ops (models/checkpoint_quant.py has the format)."""
+    if q.dtype != jnp.uint8:
+        return dequantize_int8(q, s.astype(dtype))
+    codes = jnp.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1).astype(jnp.int32)
+    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+    # E2M1: e = 0 is subnormal (m / 2), else (1 + m / 2) * 2^(e - 1).
+    mag = jnp.where(e == 0, m * 0.5, (2 + m) * jnp.left_shift(1, e).astype(jnp.float32) * 0.25)
+    values = jnp.where(codes >= 8, -mag, mag)
+    scale = jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)  # 2^(s-127)
+    w = values.reshape(*s.shape, -1) * scale[..., None]
+    return w.reshape(*q.shape[:-1], -1).astype(dtype)
+
+
 def _one_expert(w: Experts, e: jax.Array, dtype: Any) -> jax.Array:
-    """Expert e's float [in, out] matrix (int8: dequantized, only this one)."""
+    """Expert e's float [in, out] matrix (scaled: dequantized, only this one)."""
     if not isinstance(w, tuple):
         return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
     q, s = (jax.lax.dynamic_index_in_dim(a, e, keepdims=False) for a in w)
-    return dequantize_int8(q, s.astype(dtype)).T
+    return dequantize(q, s, dtype).T
 
 
 def _dequantized(w: tuple[jax.Array, jax.Array], dtype: Any) -> jax.Array:
-    """A layer's scaled expert stack as float, in its own [E, out, in] order. NOTE: the
-    barrier keeps the dequantization at its layer: without it, XLA's unrolled GPU forward
-    dequantized every layer's stack at once (a temp of all the experts in float)."""
-    q, s = jax.lax.optimization_barrier(w)
-    return dequantize_int8(q, s.astype(dtype))
+    """A layer's scaled expert stack as float, in its own [E, out, in] order. NOTE: no
+    optimization barrier here: on the unrolled GPU forward one made XLA copy every layer's
+    stack (all alive at once), and a float4 stack was converted whole without one, so GPUs
+    keep MXFP4 packed in uint8 (WeightFormat.CHECKPOINT_MXFP4_PACKED; docs/benchmarks.md,
+    "GPT-OSS")."""
+    q, s = w
+    return dequantize(q, s, dtype)
 
 
 # ragged_dot over a stack in [E, out, in] order: rows [M, in] contract with each expert's in.
@@ -103,7 +121,7 @@ def blocked_grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array) ->
     times every row (XLA's CPU ragged_dot), and no gathered copy of the weights is made."""
     M, K = xs.shape
     G = _num_experts(w)
-    N = (w[0].shape[1] if isinstance(w, tuple) else w.shape[2])
+    N = (w[0].shape[1] if isinstance(w, tuple) else w.shape[2])  # scaled: [G, N, K]
     B = block_rows(M, G)
     P = -(-(M + min(G, M) * (B - 1)) // B) * B  # every padded row, at most
     padded = (group_sizes + B - 1) // B * B
@@ -251,8 +269,9 @@ class MoE(nn.Module):
         if fmt.scaled:  # the whole stack, this layer's taken
             L = cfg.num_hidden_layers
             w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, INT8_LAYERS,
-                                                    fmt.values_dtype, group_size, name=name)(),
-                                          layer)
+                                                    fmt.values_dtype, group_size,
+                                                    fmt.values_per_byte, fmt.scale_dtype,
+                                                    name=name)(), layer)
                                     for name, n_out, n_in in (("w_gate", I, H), ("w_up", I, H),
                                                               ("w_down", H, I)))
         else:
@@ -280,13 +299,16 @@ class Int8Stack(nn.Module):
     collection: str = INT8_LAYERS
     values_dtype: str = "int8"
     group_size: int | None = GROUP_SIZE
+    values_per_byte: int = 1  # packed MXFP4: two values an element (WeightFormat)
+    scale_dtype: str = "float32"
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array]:
-        shape = (*self.lead, self.out_features, self.in_features)
+        shape = (*self.lead, self.out_features, self.in_features // self.values_per_byte)
         q = self.variable(self.collection, "qweight", jnp.zeros, shape, jnp.dtype(self.values_dtype)).value
         s = self.variable(self.collection, "scale", jnp.ones,
-                          (*shape[:-1], num_groups(self.in_features, self.group_size)), jnp.float32).value
+                          (*shape[:-1], num_groups(self.in_features, self.group_size)),
+                          jnp.dtype(self.scale_dtype)).value
         return q, s
 
 

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import WeightFormat
 from jaxserve.models import LlamaForCausalLM
+from jaxserve.models.attention import ModelOptions
 from jaxserve.models.checkpoint_quant import MXFP4_BLOCK, MXFP4_VALUES
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
@@ -81,17 +82,27 @@ def gpt_oss(tmp_path_factory) -> tuple[str, str]:
     return save_tiny_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss")))
 
 
-def test_gpt_oss_logits_match_transformers(gpt_oss) -> None:
+@pytest.mark.parametrize("experts", [None, WeightFormat.CHECKPOINT_MXFP4,
+                                     WeightFormat.CHECKPOINT_MXFP4_PACKED],
+                         ids=["dequantized", "fp4", "packed"])
+def test_gpt_oss_logits_match_transformers(gpt_oss, experts: WeightFormat | None) -> None:
+    """The MXFP4 experts dequantized at load, kept as FP4 values (TPU, CPU) and kept packed
+    as stored (GPU): transformers' logits on the dequantized weights."""
     float_dir, mx_dir = gpt_oss
-    arch, params = load_checkpoint(mx_dir, np.float32)
+    arch, params = load_checkpoint(mx_dir, np.float32, experts_format=experts)
     assert arch.local_layers == (True, False) and arch.attention_sinks and arch.swiglu_limit == 7.0
     assert arch.rope_scaling.rope_type == "yarn" and not arch.tie_word_embeddings
-    model = LlamaForCausalLM(arch)
-    _, float_params = load_checkpoint(float_dir, np.float32)
+    w_gate = params["params"]["layers"]["mlp"]["w_gate"]
+    if experts is not None:
+        assert w_gate["qweight"].dtype.name == experts.values_dtype
+    model = LlamaForCausalLM(arch, ModelOptions(experts_format=experts))
     for ids in PROMPTS:
         ours, ref = prompt_logits(model, params, ids), hf_logits(float_dir, ids)
         assert np.abs(ours - ref).max() <= 1e-4
-        assert np.abs(prompt_logits(model, float_params, ids) - ref).max() <= 1e-4
+    if experts is not None:
+        return
+    _, float_params = load_checkpoint(float_dir, np.float32)
+    assert np.abs(prompt_logits(model, float_params, PROMPTS[0]) - hf_logits(float_dir, PROMPTS[0])).max() <= 1e-4
     # The sinks matter: without them the logits move.
     layers = params["params"]["layers"]
     no_sinks = {"params": {**params["params"], "layers": {

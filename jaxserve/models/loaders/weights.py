@@ -90,14 +90,14 @@ _EXPERT_NAMES = {"w_gate": ("w1", "gate_proj"), "w_up": ("w3", "up_proj"),
 
 def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
                    stored: Callable[[str, tuple[int, int]], dict[str, np.ndarray]] | None = None,
-                   mxfp4: bool = False) -> dict[str, Any]:
+                   experts_format: WeightFormat | None = None) -> dict[str, Any]:
     """Every sparse layer's experts stacked [L, E, in, out] (w_gate, w_up: [.., H, I];
     w_down: [.., I, H]) from one [out, in] tensor per expert; with `stored` (a checkpoint's
     own format: HF module name, shape -> leaves) each leaf stacked [L, E, out, ...]."""
     if _gpt_oss(cfg):
         if stored is not None:
             raise ValueError(f"{source}: GPT-OSS's experts are read as float or MXFP4")
-        return _gpt_oss_experts(cfg, get, dtype, source, mxfp4)
+        return _gpt_oss_experts(cfg, get, dtype, source, experts_format)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
@@ -120,18 +120,20 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
 
 
 def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
-                     mxfp4: bool) -> dict[str, Any]:
+                     fmt: WeightFormat | None) -> dict[str, Any]:
     """GPT-OSS's experts, stacked [L, E, ...] as _expert_params' and their biases (b_gate,
     b_up [L, E, I], b_down [L, E, H]), from each layer's fused tensors: `gate_up_proj`
     [E, H, 2I] (gate and up interleaved: columns 0, 2, .. are the gate's) and `down_proj`
     [E, I, H], or their MXFP4 `_blocks` / `_scales` ([E, out, in] quantized), dequantized here
-    once, one layer at a time; with `mxfp4` kept as stored: `qweight` FP4 values [L, E, out,
-    in] and `scale` float32 [L, E, out, in / 32] (models/moe.py's Int8Stack)."""
+    once, one layer at a time; with an MXFP4 `fmt` kept at 4 bits: `qweight` FP4 values
+    [L, E, out, in] and `scale` float32 [L, E, out, in / 32] (models/moe.py's Int8Stack),
+    or packed, the checkpoint's bytes: `qweight` uint8 [L, E, out, in / 2], `scale` uint8."""
     import ml_dtypes
 
     from jaxserve.models.checkpoint_quant import dequantize_mxfp4, unpack_mxfp4
 
     E, H, I, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+    mxfp4 = fmt is not None and fmt.mxfp4
 
     def quantized(prefix: str, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray] | None:
         blocks, scales = get(f"{prefix}_blocks"), get(f"{prefix}_scales")
@@ -147,6 +149,9 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         q = quantized(prefix, n_in, n_out)
         if q is None:
             return _fetch(get, prefix, (E, n_in, n_out), source)
+        if fmt is WeightFormat.CHECKPOINT_MXFP4_PACKED:
+            unpack_mxfp4(*q, prefix, (E, n_out, n_in))  # checks the shapes
+            return q[0].reshape(E, n_out, n_in // 2), q[1]
         if mxfp4:
             values, scale = unpack_mxfp4(*q, prefix, (E, n_out, n_in))
             return values.astype(ml_dtypes.float4_e2m1fn), scale
@@ -306,8 +311,8 @@ def build_params(
             stacked[j] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
-        mxfp4 = experts_format is WeightFormat.CHECKPOINT_MXFP4
-        experts = _expert_params(cfg, get, dtype, source, read_stored, mxfp4)
+        mxfp4 = experts_format is not None and experts_format.mxfp4
+        experts = _expert_params(cfg, get, dtype, source, read_stored, experts_format)
         if weight_format.quantized and read_stored is None and not mxfp4:  # one stack at a time in float, then quantized
             from jaxserve.models.quantization import check_experts, quantize_weight
 

@@ -113,22 +113,27 @@ def test_gpt_oss_logits_match_transformers(gpt_oss, experts: WeightFormat | None
 def test_gpt_oss_through_the_engine(gpt_oss) -> None:
     """Chunked prefill (8-token steps), the platform's attention kernels with sinks, a
     sliding group giving pages back, preemption in a cache too small for every request, a
-    prefix hit: transformers' greedy tokens and prompt logprobs."""
+    prefix hit, n-gram speculative decoding (looked up from a single token, so there are
+    drafts to verify, mostly rejected): transformers' greedy tokens and prompt logprobs."""
     from jaxserve import LLM, SamplingParams
 
     float_dir, mx_dir = gpt_oss
     llm = LLM(mx_dir, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=64,
-              enforce_eager=True)
+              enforce_eager=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1})
     assert llm.config.resolved.experts_weight_format is WeightFormat.CHECKPOINT_MXFP4
     groups = llm.config.resolved.kv_cache_groups
     assert [g.sliding_window for g in groups.groups] == [None, WINDOW]
-    prompts = PROMPTS + [list(range(100, 20, -1)), PROMPTS[0][:60] + [7, 8, 9]]
+    prompts = PROMPTS + [list(range(20, 40)) * 4, PROMPTS[0][:60] + [7, 8, 9]]
     want = hf_greedy(float_dir, prompts, 12)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.engine_core.scheduler.make_stats()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want[:4]
     assert llm.engine_core.scheduler.total_num_preemptions > 0
+    assert llm.engine_core.scheduler.make_stats().spec_decoding_stats.num_drafts > 0
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, use_tqdm=False)
     (out,) = llm.generate([{"prompt_token_ids": prompts[4]}], greedy, use_tqdm=False)
     assert out.num_cached_tokens == 60 and out.outputs[0].token_ids == want[4]

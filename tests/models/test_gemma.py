@@ -66,7 +66,7 @@ def test_gemma3_with_every_layer_sliding_takes_the_sliding_rope(tmp_path) -> Non
 
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])
 def test_sliding_windows_through_the_engine(kind: str, tmp_path) -> None:
-    """Chunked prefill (8-token steps) over prompts up to eight windows long (window 8), the
+    """Chunked prefill (8-token steps) over prompts up to ten windows long (window 8), the
     platform's attention kernel, decoding past them, sliding groups giving pages back, prefix
     hits and preemption in a cache too small for all at once: transformers' greedy tokens and
     prompt logprobs. Gemma 3: a full group and three sliding ones; Gemma 2: one of each;
@@ -77,13 +77,14 @@ def test_sliding_windows_through_the_engine(kind: str, tmp_path) -> None:
                  if kind == "mistral" else tiny_gemma(kind, str(tmp_path)))
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4,
               max_num_batched_tokens=8, block_size=4,
-              num_gpu_blocks_override=10 if kind == "mistral" else 48, enforce_eager=True)
+              num_gpu_blocks_override={"mistral": 10, "gemma2": 36, "gemma3": 48}[kind],
+              enforce_eager=True)
     groups = llm.config.resolved.kv_cache_groups
     assert [g.sliding_window for g in groups.groups] == {
         "gemma3": [None, WINDOW, WINDOW, WINDOW], "gemma2": [None, WINDOW], "mistral": [WINDOW],
     }[kind]
     # Four long requests do not fit the cache at once: some are preempted and resumed.
-    prompts = PROMPTS + [list(range(70, 6, -1)), PROMPTS[2], PROMPTS[0] + [7, 8, 9]]
+    prompts = PROMPTS + [list(range(86, 6, -1)), PROMPTS[2], PROMPTS[0] + [7, 8, 9]]
     want = hf_greedy(model_dir, prompts, 16)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], greedy, use_tqdm=False)
@@ -93,11 +94,11 @@ def test_sliding_windows_through_the_engine(kind: str, tmp_path) -> None:
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, use_tqdm=False)
     (out,) = llm.generate([{"prompt_token_ids": prompts[5]}], greedy, use_tqdm=False)
     assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want[5]
-    # Prompt logprobs over every chunk of a prompt eight windows long.
+    # Prompt logprobs over every chunk of a prompt ten windows long.
     with_lps = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], with_lps, use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompts[3]}], with_lps, use_tqdm=False)
     ours = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-    assert np.abs(np.asarray(ours) - hf_prompt_logprobs(model_dir, PROMPTS[0])).max() <= 2e-3
+    assert np.abs(np.asarray(ours) - hf_prompt_logprobs(model_dir, prompts[3])).max() <= 2e-3
 
 
 @pytest.mark.slow

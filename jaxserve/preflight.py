@@ -114,7 +114,9 @@ class PreflightReport:
         lines = [f"jaxserve preflight: {self.model} ({self.architecture}) on {self.target} "
                  f"({self.device} x {self.num_devices}): tp={s['tensor_parallel_size']} "
                  f"pp={s['pipeline_parallel_size']}, {s['dtype']} weights"
-                 f"{' (' + s['quantization'] + ')' if s['quantization'] else ''}, KV cache {s['kv_cache']}, "
+                 f"{' (' + s['quantization'] + ')' if s['quantization'] else ''}"
+                 f"{', experts ' + s['experts_quantization'] if s.get('experts_quantization') else ''}"
+                 f", KV cache {s['kv_cache']}, "
                  f"max_model_len={s['max_model_len']}, max_num_seqs={s['max_num_seqs']}, "
                  f"max_num_batched_tokens={s['max_num_batched_tokens']}"]
         m = self.memory
@@ -233,6 +235,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
             "tensor_parallel_size": pc.tensor_parallel_size,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
             "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": worker.weight_format.quantization,
+            "experts_quantization": (worker.config.resolved.experts_weight_format.value
+                                     if worker.config.resolved.experts_weight_format else None),
             "kv_cache": f"{layout.dtype}{' packed' if layout.packed else ''}",
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,

@@ -37,7 +37,8 @@ SUPPORTED = ("compressed-tensors: float-quantized FP8 weights (tensor, channel, 
              "scales), pack-quantized / int-quantized / naive-quantized int4 and int8 weights "
              "(channel or group scales, symmetric or with zero points); fp8 with "
              "weight_block_size (Qwen3-FP8, DeepSeek-V3); gptq 4- and 8-bit (checkpoint_format "
-             "gptq or gptq_v2, desc_act either way); awq 4-bit (version gemm)")
+             "gptq or gptq_v2, desc_act either way); awq 4-bit (version gemm); mxfp4 "
+             "(GPT-OSS's experts)")
 _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized")
 
 

@@ -68,16 +68,6 @@ def _one_expert(w: Experts, e: jax.Array, dtype: Any) -> jax.Array:
     return dequantize(q, s, dtype).T
 
 
-def _dequantized(w: tuple[jax.Array, jax.Array], dtype: Any) -> jax.Array:
-    """A layer's scaled expert stack as float, in its own [E, out, in] order. NOTE: no
-    optimization barrier here: on the unrolled GPU forward one made XLA copy every layer's
-    stack (all alive at once), and a float4 stack was converted whole without one, so GPUs
-    keep MXFP4 packed in uint8 (WeightFormat.CHECKPOINT_MXFP4_PACKED; docs/benchmarks.md,
-    "GPT-OSS")."""
-    q, s = w
-    return dequantize(q, s, dtype)
-
-
 # ragged_dot over a stack in [E, out, in] order: rows [M, in] contract with each expert's in.
 _OUT_IN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
@@ -155,8 +145,12 @@ def grouped_matmul(xs: jax.Array, w: Experts, group_sizes: jax.Array, platform: 
     multiplies every row by every group; int8 dequantized one block's expert at a time)."""
     if platform == "cpu":
         return blocked_grouped_matmul(xs, w, group_sizes)
-    if isinstance(w, tuple):  # no transposed copy of the dequantized stack
-        return jax.lax.ragged_dot_general(xs, _dequantized(w, xs.dtype), group_sizes, _OUT_IN)
+    if isinstance(w, tuple):
+        # The layer's stack widened in its own [E, out, in] order (no transposed copy). NOTE:
+        # no optimization barrier: on the unrolled GPU forward one made XLA copy every layer's
+        # slice (all alive at once); a float4 stack was copied whole on GPUs either way, so
+        # they keep MXFP4 packed (docs/benchmarks.md, "GPT-OSS").
+        return jax.lax.ragged_dot_general(xs, dequantize(*w, xs.dtype), group_sizes, _OUT_IN)
     return jax.lax.ragged_dot(xs, w, group_sizes)
 
 

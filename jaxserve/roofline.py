@@ -56,6 +56,15 @@ class Ideal:
         return self.weight_bytes + self.kv_bytes + self.activation_bytes
 
 
+def expert_params(arch: ArchConfig, tokens: int) -> float:
+    """Of `weight_params`, the experts' (every sparse layer's experts the tokens reach)."""
+    sparse = (sum(arch.moe_layers) if arch.moe_layers is not None
+              else arch.num_hidden_layers if arch.num_experts else 0)
+    E, k = arch.num_experts, arch.num_experts_per_tok
+    experts = E * (1 - (1 - k / E) ** tokens) if E else 0
+    return sparse * experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+
+
 def weight_params(arch: ArchConfig, tokens: int) -> tuple[float, float]:
     """(parameters a step of `tokens` reads, of which the LM head's): every dense weight, and
     of each mixture-of-experts layer the experts its tokens reach, in expectation when each
@@ -75,12 +84,15 @@ def weight_params(arch: ArchConfig, tokens: int) -> tuple[float, float]:
 
 def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
                kv_bytes_per_value: float, act_bytes: float = 2.0,
-               head_bytes_per_param: float | None = None) -> Ideal:
+               head_bytes_per_param: float | None = None,
+               experts_bytes_per_param: float | None = None) -> Ideal:
     """The step's ideal bytes and flops (the whole model, every device together). The LM
     head's width is the weights' unless `head_bytes_per_param` says otherwise (a checkpoint
-    stored quantized keeps its head in bf16)."""
+    stored quantized keeps its head in bf16); the experts' likewise with
+    `experts_bytes_per_param` (GPT-OSS's 4-bit experts beside bf16 weights)."""
     params, head = weight_params(arch, step.tokens)
     head_width = weight_bytes_per_param if head_bytes_per_param is None else head_bytes_per_param
+    experts = 0.0 if experts_bytes_per_param is None else expert_params(arch, step.tokens)
     L = arch.num_hidden_layers
     local = arch.local_layers or (((arch.sliding_window is not None),) * L)
     # Each layer reads every sequence's context (a sliding layer: its window), and writes the
@@ -97,7 +109,9 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
     attention_flops = 4 * arch.q_size * attended
     flops = 2 * (params - head) * step.tokens + 2 * head * step.sampled + attention_flops
     activations = 2 * step.tokens * arch.hidden_size * act_bytes * L + step.sampled * arch.vocab_size * 4
-    return Ideal((params - head) * weight_bytes_per_param + head * head_width, kv, activations,
+    weights = ((params - head - experts) * weight_bytes_per_param + head * head_width
+               + experts * (experts_bytes_per_param or 0.0))
+    return Ideal(weights, kv, activations,
                  flops, attention_flops, head * head_width)
 
 
@@ -191,12 +205,13 @@ def steps(max_num_seqs: int, max_model_len: int) -> list[Step]:
 def rows(target: str, chip: Chip, arch: ArchConfig, devices: int, weights: str,
          weight_bytes_per_param: float, kv_bytes_per_value: float, act_bytes: float,
          max_num_seqs: int, max_model_len: int, buckets: tuple[int, ...],
-         head_bytes_per_param: float | None = None) -> list[Row]:
+         head_bytes_per_param: float | None = None,
+         experts_bytes_per_param: float | None = None) -> list[Row]:
     """The --roofline rows of one target (ValueError naming the table for a chip it lacks)."""
     out = []
     for step in steps(max_num_seqs, max_model_len):
         ideal = ideal_step(arch, step, weight_bytes_per_param, kv_bytes_per_value, act_bytes,
-                           head_bytes_per_param)
+                           head_bytes_per_param, experts_bytes_per_param)
         r = roofline(chip, ideal, step, devices, weights)
         bucket = next((b for b in buckets if b >= step.tokens), None)
         out.append(Row(

@@ -48,6 +48,10 @@ def test_sliding_layers_read_their_window_and_experts_their_reach() -> None:
     assert one == pytest.approx(2 * (192 + 64 + 2 * 96) + 800)
     assert two == pytest.approx(2 * (192 + 64 + 3.5 * 96) + 800)
     assert many == pytest.approx(2 * (192 + 64 + 8 * 96) + 800)
+    # 4-bit experts beside bf16 weights (GPT-OSS's MXFP4): the reached experts at their width.
+    bf16 = roofline.ideal_step(moe, roofline.decode(1, 10), 2, 2)
+    mxfp4 = roofline.ideal_step(moe, roofline.decode(1, 10), 2, 2, experts_bytes_per_param=0.5)
+    assert bf16.weight_bytes - mxfp4.weight_bytes == pytest.approx(2 * 2 * 96 * 1.5)
 
 
 def test_roofline_time_is_the_slower_of_bandwidth_and_peak() -> None:

@@ -9,7 +9,10 @@ process through jaxserve/engine/core_client.py.
                          translation of the chat path)
     chat_tools.py        a chat request's tools: tool_choice, its grammar, template messages
     chat_output.py       a chat reply split into reasoning, content and tool calls (streamed)
-    tool_parsers.py      --tool-call-parser: hermes/qwen, llama3_json, mistral
+    tool_parsers.py      --tool-call-parser: hermes/qwen, llama3_json, mistral, openai
+                         (GPT-OSS's harmony)
+    harmony.py           GPT-OSS's harmony messages read from the text (openai and
+                         openai_gptoss parse them)
     reasoning_parsers.py --reasoning-parser: deepseek_r1, qwen3 (<think>...</think>),
                          openai_gptoss (GPT-OSS's harmony channels)
     app.py               routes and errors

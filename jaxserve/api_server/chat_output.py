@@ -61,7 +61,7 @@ class ChatOutputParser:
                 out.reasoning = split.reasoning[self.sent_reasoning:]
                 self.sent_reasoning = len(split.reasoning)
             content = split.content
-        content_end, calls = self._calls(content, finished)
+        content_end, calls = self._calls(text, content, finished)
         out.content = content[self.sent_content:content_end]
         self.sent_content = max(self.sent_content, content_end)
         for i, call in enumerate(calls):
@@ -78,11 +78,16 @@ class ChatOutputParser:
                 out.tool_calls.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=new)))
         return out
 
-    def _calls(self, content: str, finished: bool) -> tuple[int, list[ParsedToolCall]]:
+    def _calls(self, text: str, content: str, finished: bool) -> tuple[int, list[ParsedToolCall]]:
+        """How much of `content` is content, and the calls: found in `content` (what the
+        reasoning parser left of the reply `text`), or in all of `text` for a parser whose
+        calls sit beside the content (harmony: the reasoning parser leaves them out)."""
         if self.mode.choice == "named":
             return 0, [ParsedToolCall(self.mode.function, content, finished)]
         if self.tool_parser is None:
             return len(content), []
+        if self.tool_parser.calls_beside_content:
+            return len(content), self.tool_parser.parse(text, finished).calls
         parsed = self.tool_parser.parse(content, finished)
         if (finished and parsed.in_calls and self.mode.choice == "auto"
                 and not any(c.name is not None for c in parsed.calls)):

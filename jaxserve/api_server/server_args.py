@@ -74,7 +74,8 @@ class ServerArgs:
         'let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser', action="store_true"))
     tool_call_parser: str | None = field(default=None, metadata=cli_arg("server",
         "how the model writes tool calls (hermes/qwen: <tool_call> tags; llama3_json; "
-        "mistral: [TOOL_CALLS])", choices=sorted(TOOL_PARSERS)))
+        "mistral: [TOOL_CALLS]; openai: GPT-OSS's harmony messages to functions.*, which "
+        "implies --reasoning-parser openai_gptoss)", choices=sorted(TOOL_PARSERS)))
     reasoning_parser: str | None = field(default=None, metadata=cli_arg("server",
         "split the reply's reasoning into the message's reasoning field (deepseek_r1, qwen3: "
         "<think>...</think>; openai_gptoss: GPT-OSS's harmony analysis channel)",
@@ -138,6 +139,14 @@ class ServerArgs:
                                  "pip install -e '.[otel]'") from None
         if values["enable_auto_tool_choice"] and values["tool_call_parser"] is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        tool, reasoning = values["tool_call_parser"], values["reasoning_parser"]
+        own = TOOL_PARSERS[tool].reasoning_parser if tool else None
+        if own is not None and reasoning not in (None, own):
+            raise ValueError(f"--tool-call-parser {tool} reads a format that --reasoning-parser "
+                             f"{own} splits (implied when not given), not {reasoning}")
+        # Decided here, once: harmony replies are split as openai_gptoss splits them (vLLM
+        # reports every GPT-OSS reply's analysis as reasoning), with or without tools.
+        values["reasoning_parser"] = reasoning or own
         if values["responses_store_size"] < 0:
             raise ValueError(f"--responses-store-size must be >= 0, got {values['responses_store_size']}")
         gc = values["generation_config"]

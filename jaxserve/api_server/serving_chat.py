@@ -111,8 +111,8 @@ class OpenAIServingChat:
         # (vLLM lets a model think before the grammar starts; not done here).
         reasoning = (REASONING_PARSERS[ctx.reasoning_parser]
                      if ctx.reasoning_parser and structured is None else None)
-        if reasoning is not None and reasoning.needs_special_tokens:
-            # Its markers are special tokens: decoded away, the reply could not be split.
+        if any(p is not None and p.needs_special_tokens for p in (reasoning, mode.parser)):
+            # Their markers are special tokens: decoded away, the reply could not be split.
             params = dataclasses.replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{random_uuid()}"
         gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority,

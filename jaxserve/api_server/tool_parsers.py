@@ -8,6 +8,10 @@ is its marker, its separators and the key holding the arguments:
     llama3_json     {"name": "f", "parameters": {...}}; {...}   (or after <|python_tag|>)
     mistral         [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
 
+GPT-OSS (`openai`) writes its calls otherwise: each call is a harmony message of its own,
+addressed to the tool (`...to=functions.f <|constrain|>json<|message|>{...}<|call|>`), beside the
+reasoning and the answer rather than after them; OpenAIToolParser reads them with harmony.py.
+
 The scanner also reads a text that is still growing (a stream): a call whose name is complete
 is reported with the arguments' JSON text received so far, so a stream can send the name at
 once and the arguments as they arrive. Arguments are kept as the model wrote them (not
@@ -21,6 +25,8 @@ from typing import Any
 import json
 import re
 from dataclasses import dataclass
+
+from jaxserve.api_server.harmony import harmony_messages
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -54,6 +60,17 @@ class ToolParser:
     marker = ""
     separators: tuple[str, ...] = ()
     argument_keys: tuple[str, ...] = ("arguments",)
+    # The reply must be decoded with its special tokens kept (skip_special_tokens=False): the
+    # calls are written with markers the tokenizer holds as special tokens.
+    needs_special_tokens = False
+    # Where the calls are. False: after the content (in what the reasoning parser leaves, or
+    # the whole reply), and `parse` says where the content ends. True: in messages of their
+    # own beside the reasoning and the content (harmony): `parse` reads the whole reply, and
+    # the content is all that the reasoning parser leaves (which leaves the calls out).
+    calls_beside_content = False
+    # The --reasoning-parser that reads this parser's format: the one used when none is given,
+    # and the only one it works with.
+    reasoning_parser: str | None = None
 
     def region_start(self, text: str) -> tuple[int, int] | None:
         """(content end, first call's search start) if the text has entered its calls."""
@@ -193,9 +210,33 @@ class RequiredToolParser(ToolParser):
         return 0, 0
 
 
+class OpenAIToolParser(ToolParser):
+    """vLLM's `openai`: GPT-OSS's harmony replies, read with the special tokens kept. Each
+    message addressed to `functions.NAME` is a call to the request's tool NAME, its body the
+    arguments as the model wrote them (JSON, under `<|constrain|>json`). A call is reported
+    once its header is complete (the name is settled) and its arguments grow with the body;
+    one cut off at the end keeps the arguments written. Messages addressed to other
+    recipients (`browser.search`, `python`, `container.exec`) are calls to GPT-OSS's built-in
+    tools, which the server would have to run itself and jaxserve does not: they are left out
+    of both the calls and the content. The content and reasoning are the openai_gptoss
+    reasoning parser's (final and commentary to no one; analysis), which the chat serving
+    uses when --reasoning-parser is not given."""
+
+    name = "openai"
+    needs_special_tokens = True
+    calls_beside_content = True
+    reasoning_parser = "openai_gptoss"
+
+    def parse(self, text: str, finished: bool) -> ParsedToolCalls:
+        calls = [ParsedToolCall(m.function, m.body, m.ended)
+                 for m in harmony_messages(text, finished) if m.function is not None]
+        # content_end: the content is the reasoning parser's, not a part of `text`.
+        return ParsedToolCalls(len(text), calls, bool(calls))
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen": HermesToolParser, "mistral": MistralToolParser,
-    "llama3_json": Llama3JsonToolParser,
+    "llama3_json": Llama3JsonToolParser, "openai": OpenAIToolParser,
 }
 
 

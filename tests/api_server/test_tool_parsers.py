@@ -4,8 +4,11 @@ a scripted engine behind a tiny tokenizer."""
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,11 +22,14 @@ def auto(parser: str) -> ToolMode:
     return ToolMode("auto", parser=TOOL_PARSERS[parser])
 
 
-def streamed(mode: ToolMode, text: str, reasoning: str | None = None, step: int = 1) -> dict:
-    """Feed every `step`-th prefix of `text`, then the whole; add the deltas up."""
+def streamed(mode: ToolMode, text: str, reasoning: str | None = None, step: int = 1,
+             ends: list[int] | None = None) -> dict:
+    """Feed every `step`-th prefix of `text` (or those ending at `ends`), then the whole; add
+    the deltas up."""
     p = ChatOutputParser(mode, REASONING_PARSERS[reasoning] if reasoning else None)
     out: dict = {"reasoning": "", "content": "", "calls": []}
-    ends = list(range(step, len(text), step)) + [len(text)]
+    if ends is None:
+        ends = list(range(step, len(text), step)) + [len(text)]
     for end in ends:
         d = p.delta(text[:end], finished=end == len(text))
         out["reasoning"] += d.reasoning
@@ -279,7 +285,12 @@ class ScriptedClient:
             yield outs[0]
 
 
-def serve_chat(parser: str, reply: str, stream: bool) -> tuple[ScriptedClient, list[int], object]:
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def serve_chat(parser: str | None, reply: str, stream: bool, tool_parser: str | None = None,
+               tools: list | None = None) -> tuple[ScriptedClient, list[int], object]:
     """One chat completion through the chat serving path: (client, prompt ids, the reply's
     JSON or its stream's chunks)."""
     import asyncio
@@ -294,10 +305,11 @@ def serve_chat(parser: str, reply: str, stream: bool) -> tuple[ScriptedClient, l
     eos = frozenset(tok.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
     ctx = ServingContext(client, tok, ["gpt-oss-tiny"],
                          Processor(max_model_len=512, vocab_size=len(tok), model_eos_token_ids=eos),
-                         reasoning_parser=parser)
+                         reasoning_parser=parser, tool_call_parser=tool_parser,
+                         enable_auto_tool_choice=tool_parser is not None)
     request = ChatCompletionRequest.model_validate({
         "model": "gpt-oss-tiny", "messages": [{"role": "user", "content": "2+2?"}],
-        "stream": stream, "max_tokens": 200})
+        "stream": stream, "max_tokens": 200, **({"tools": tools} if tools else {})})
 
     async def run() -> tuple[list[int], object]:
         prompt_ids = (await OpenAIServingChat(ctx).render_prompt(request))[1]
@@ -340,3 +352,172 @@ def test_gptoss_chat_completion_keeps_special_tokens_and_splits() -> None:
     assert [p.skip_special_tokens for p in client.params] == [True]
     assert body["choices"][0]["message"]["content"] == (
         "analysisWe need to add 2 and 2.assistantfinalThe answer is 4.")
+
+
+
+# --tool-call-parser openai: harmony messages addressed to functions.NAME are tool calls.
+PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+CALL_TIME = ('<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json'
+             '<|message|>{"tz":"CET"}')
+BROWSER = ('<|start|>assistant<|channel|>analysis to=browser.search <|constrain|>json'
+           '<|message|>{"query": "weather Paris"}<|call|>')
+PYTHON = "<|start|>assistant<|channel|>analysis to=python code<|message|>print(2 + 2)<|call|>"
+
+
+def openai_mode(parallel: bool = True) -> ToolMode:
+    return ToolMode("auto", parallel=parallel, parser=TOOL_PARSERS["openai"])
+
+
+def check_harmony_calls(text: str, reasoning: str | None = "openai_gptoss",
+                        parallel: bool = True) -> dict:
+    """The whole reply's message; fed character by character and token by token (each marker
+    whole), the deltas add up to it: each call's id and name once, then its arguments, which
+    never hold a marker or part of one."""
+    mode = openai_mode(parallel)
+    m = response_message(ChatOutputParser(mode, REASONING_PARSERS[reasoning] if reasoning else None),
+                         text)
+    w = {"reasoning": m.reasoning, "content": m.content,
+         "calls": [(c.function.name, c.function.arguments) for c in m.tool_calls]}
+    token_ends = list(itertools.accumulate(map(len, harmony_tokens(text))))
+    for ends in (list(range(1, len(text) + 1)), token_ends):
+        s = streamed(mode, text, reasoning, ends=ends)
+        assert [(c["name"], c["arguments"]) for c in s["calls"]] == w["calls"]
+        assert s["content"] == (w["content"] or "") and s["reasoning"] == (w["reasoning"] or "")
+    assert not any(marker in args for _, args in w["calls"] for marker in HARMONY_MARKERS)
+    p = ChatOutputParser(mode, REASONING_PARSERS[reasoning] if reasoning else None)
+    p.delta(text, True)
+    assert p.finish_reason("stop") == ("tool_calls" if w["calls"] else "stop")
+    return w
+
+
+@pytest.mark.parametrize("end", ["", "<|call|>"])  # <|call|> is an EOS: text only if kept
+def test_openai_tool_parser_one_and_two_calls(end: str) -> None:
+    w = check_harmony_calls(CALL + end)
+    assert w == {"reasoning": None, "content": None,
+                 "calls": [("get_weather", '{"city": "Paris"}')]}
+    w = check_harmony_calls(CALL + "<|call|>" + CALL_TIME + end)
+    assert w["calls"] == [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz":"CET"}')]
+    assert w["content"] is None
+    # parallel_tool_calls false keeps the first.
+    w = check_harmony_calls(CALL + "<|call|>" + CALL_TIME + end, parallel=False)
+    assert w["calls"] == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("end", ["", "<|call|>"])
+def test_openai_tool_parser_after_reasoning_and_a_preamble(end: str) -> None:
+    w = check_harmony_calls(THINK + PREAMBLE + CALL + end)
+    assert w == {"reasoning": "We need to add 2 and 2.", "content": "Let me check.",
+                 "calls": [("get_weather", '{"city": "Paris"}')]}
+    # The recipient in the role's header (which the prompt opened), a bare content type.
+    w = check_harmony_calls(' to=functions.get_weather<|channel|>commentary json<|message|>'
+                            '{"city": "Paris"}' + end)
+    assert w == {"reasoning": None, "content": None,
+                 "calls": [("get_weather", '{"city": "Paris"}')]}
+    w = check_harmony_calls(THINK + '<|start|>assistant to=functions.get_time<|channel|>commentary '
+                            '<|constrain|>json<|message|>{}' + end)
+    assert w["calls"] == [("get_time", "{}")] and w["reasoning"] == "We need to add 2 and 2."
+
+
+def test_openai_tool_parser_leaves_built_in_tools_out() -> None:
+    # browser.* and python are GPT-OSS's built-in tools, which jaxserve does not run: neither
+    # calls nor content, and the reply finishes as "stop".
+    for builtin in (BROWSER, PYTHON):
+        w = check_harmony_calls(THINK + builtin)
+        assert w == {"reasoning": "We need to add 2 and 2.", "content": "", "calls": []}
+    w = check_harmony_calls(THINK + BROWSER + PREAMBLE + CALL + "<|call|>")
+    assert w["calls"] == [("get_weather", '{"city": "Paris"}')] and w["content"] == "Let me check."
+    # A final answer after a call is content.
+    w = check_harmony_calls(CALL + "<|call|>" + ANSWER + "<|return|>")
+    assert w["content"] == "The answer is 4." and len(w["calls"]) == 1
+
+
+def test_openai_tool_parser_cut_off_calls() -> None:
+    # Cut off in the arguments: the call keeps what was written, streamed and whole alike.
+    w = check_harmony_calls(THINK + CALL[:-4])
+    assert w == {"reasoning": "We need to add 2 and 2.", "content": None,
+                 "calls": [("get_weather", '{"city": "Par')]}
+    # Cut off in the header (the name may be half-written, or the header may be a built-in's):
+    # no call, and nothing of it leaks.
+    for cut in ("<|start|>assistant<|channel|>commentary to=functions.get_wea",
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>js",
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|mess"):
+        assert check_harmony_calls(THINK + cut) == {
+            "reasoning": "We need to add 2 and 2.", "content": "", "calls": []}
+    # A recipient with no function name is no call.
+    assert check_harmony_calls("<|channel|>commentary to=functions. json<|message|>{}")["calls"] == []
+
+
+def test_openai_tool_parser_without_a_reasoning_parser_object() -> None:
+    # The calls read the same; the content is what no reasoning parser leaves (the serving
+    # brings openai_gptoss, below).
+    w = check_harmony_calls(CALL + "<|call|>", reasoning=None)
+    assert w["calls"] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_openai_tool_calls_through_chat_completions() -> None:
+    reasoning_parser = "openai_gptoss"  # given, or implied by --tool-call-parser openai (below)
+    reply = THINK + PREAMBLE + CALL + "<|call|>"
+    client, _, body = serve_chat(reasoning_parser, reply, stream=False, tool_parser="openai",
+                                 tools=[WEATHER_TOOL])
+    assert [p.skip_special_tokens for p in client.params] == [False]
+    choice = body["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert msg["reasoning_content"] == msg["reasoning"] == "We need to add 2 and 2."
+    assert msg["content"] == "Let me check."
+    [call] = msg["tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    client, _, chunks = serve_chat(reasoning_parser, reply, stream=True, tool_parser="openai",
+                                   tools=[WEATHER_TOOL])
+    assert [p.skip_special_tokens for p in client.params] == [False]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    deltas = [c["delta"] for c in choices]
+    calls: list[dict] = []
+    for d in deltas:
+        for tc in d.get("tool_calls") or ():
+            if tc.get("id"):
+                assert tc["index"] == len(calls) and tc["function"]["name"]
+                calls.append({"id": tc["id"], "type": tc["type"],
+                              "function": {"name": tc["function"]["name"], "arguments": ""}})
+            else:
+                assert not tc["function"].get("name")
+            calls[tc["index"]]["function"]["arguments"] += tc["function"].get("arguments") or ""
+    assert sum(1 for d in deltas if d.get("tool_calls")) > 2  # the arguments arrive in pieces
+    assert [c["function"] for c in calls] == [c["function"] for c in msg["tool_calls"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["tool_calls"]
+
+    # A reply that calls no tool finishes as "stop" with its answer as content.
+    _, _, body = serve_chat(reasoning_parser, THINK + ANSWER + "<|return|>", stream=False,
+                            tool_parser="openai", tools=[WEATHER_TOOL])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == "The answer is 4."
+    assert body["choices"][0]["message"]["tool_calls"] == []
+
+
+def test_openai_tool_parser_brings_its_reasoning_parser_and_refuses_another() -> None:
+    from jaxserve.api_server.server_args import ServerArgs
+
+    config = SimpleNamespace(model_config=SimpleNamespace(skip_tokenizer_init=False),
+                             request_tracing=True)
+
+    def parse(*argv: str) -> ServerArgs:
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        return ServerArgs.from_cli_args(parser.parse_args(argv), config)
+
+    # Without --reasoning-parser, `openai` brings openai_gptoss, decided at start-up: every
+    # reply is split, a request without tools too (as vLLM splits every GPT-OSS reply).
+    for reasoning in ([], ["--reasoning-parser", "openai_gptoss"]):
+        args = parse("--enable-auto-tool-choice", "--tool-call-parser", "openai", *reasoning)
+        assert (args.tool_call_parser, args.reasoning_parser) == ("openai", "openai_gptoss")
+    client, _, body = serve_chat(args.reasoning_parser, THINK + ANSWER + "<|return|>",
+                                 stream=False, tool_parser="openai")
+    assert [p.skip_special_tokens for p in client.params] == [False]
+    msg = body["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("We need to add 2 and 2.", "The answer is 4.")
+    with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss"):
+        parse("--tool-call-parser", "openai", "--reasoning-parser", "qwen3")

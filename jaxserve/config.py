@@ -372,6 +372,7 @@ class ResolvedConfig:
     # The experts' own format where it is not weight_format's: GPT-OSS's MXFP4 experts kept
     # at 4 bits (WeightFormat.CHECKPOINT_MXFP4), whatever the other weights are.
     experts_weight_format: WeightFormat | None = None
+    experts_weight_format_reason: str = ""  # why (start-up logs it on every platform)
 
 
 @dataclass(frozen=True)

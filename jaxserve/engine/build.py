@@ -46,6 +46,8 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
                 worker.weight_format.quantization or np.dtype(worker.dtype).name)
     if config.model_config.quantization is None and worker.platform == "cpu":
         logger.info("weights: %s", config.resolved.weight_format_reason)
+    if config.resolved.experts_weight_format_reason:
+        logger.info("experts: %s", config.resolved.experts_weight_format_reason)
     if worker.weight_matmul:
         logger.info("%s matmul: %s", worker.weight_format.quantization, worker.weight_matmul)
     num_blocks = worker.determine_num_blocks()

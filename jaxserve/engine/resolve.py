@@ -93,8 +93,6 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     refuse_contradictions(arch, weight_format, pc)
     experts_format, experts_reason = resolve_experts_format(files, arch, platform, tp,
                                                             pc.enable_expert_parallel)
-    if experts_reason:
-        reason = f"{reason}; {experts_reason}"
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
     dtype = resolve_dtype(mc.dtype, platform)
     resolved = ResolvedConfig(
@@ -108,7 +106,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         classifier=resolve_classifier(files, arch, mc),
         kv_cache_groups=resolve_kv_cache_groups(
             arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager),
-        experts_weight_format=experts_format)
+        experts_weight_format=experts_format, experts_weight_format_reason=experts_reason)
     return dataclasses.replace(
         config, resolved=resolved,
         model_config=dataclasses.replace(mc, max_model_len=max_model_len),

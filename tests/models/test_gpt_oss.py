@@ -7,6 +7,7 @@ prompts ten windows long; with tensor and expert parallelism on fake devices."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -110,7 +111,7 @@ def test_gpt_oss_logits_match_transformers(gpt_oss, experts: WeightFormat | None
     assert np.abs(prompt_logits(model, no_sinks, PROMPTS[2]) - ref).max() > 1e-2
 
 
-def test_gpt_oss_through_the_engine(gpt_oss) -> None:
+def test_gpt_oss_through_the_engine(gpt_oss, caplog) -> None:
     """Chunked prefill (8-token steps), the platform's attention kernels with sinks, a
     sliding group giving pages back, preemption in a cache too small for every request, a
     prefix hit, n-gram speculative decoding (looked up from a single token, so there are
@@ -118,12 +119,14 @@ def test_gpt_oss_through_the_engine(gpt_oss) -> None:
     from jaxserve import LLM, SamplingParams
 
     float_dir, mx_dir = gpt_oss
+    caplog.set_level(logging.INFO, logger="jaxserve.engine.build")
     llm = LLM(mx_dir, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=8, block_size=4, num_gpu_blocks_override=64,
               enforce_eager=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_min": 1})
     assert llm.config.resolved.experts_weight_format is WeightFormat.CHECKPOINT_MXFP4
+    assert "experts: MXFP4 experts kept as FP4 values" in caplog.messages
     groups = llm.config.resolved.kv_cache_groups
     assert [g.sliding_window for g in groups.groups] == [None, WINDOW]
     prompts = PROMPTS + [list(range(20, 40)) * 4, PROMPTS[0][:60] + [7, 8, 9]]

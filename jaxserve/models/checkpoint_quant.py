@@ -182,7 +182,18 @@ def unpack_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
     [..., out, in / 32]). `blocks` uint8 [..., out, in / 32, 16]: two FP4 values a byte, the
     low nibble first; `scales` uint8 [..., out, in / 32]: each block's power of two, biased by
     127 (E8M0). CheckpointQuantError names the tensor `name`(_blocks / _scales) when they
-    disagree."""
+    disagree (`check_mxfp4`)."""
+    want = check_mxfp4(blocks, scales, name, shape)
+    values = np.empty((*want[:-1], MXFP4_BLOCK), np.float32)
+    values[..., 0::2] = MXFP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = MXFP4_VALUES[blocks >> 4]
+    return values.reshape(shape), np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)
+
+
+def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
+                shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks' shape a `shape` [..., out, in] weight needs; CheckpointQuantError naming
+    `name`_blocks or `name`_scales where they are not that (uint8, one scale per block)."""
     *lead, n_in = shape
     want = (*lead, n_in // MXFP4_BLOCK, MXFP4_BLOCK // 2)
     if n_in % MXFP4_BLOCK or blocks.dtype != np.uint8 or tuple(blocks.shape) != want:
@@ -192,10 +203,7 @@ def unpack_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,
     if scales.dtype != np.uint8 or tuple(scales.shape) != want[:-1]:
         raise CheckpointQuantError(f"{name}_scales: {scales.dtype} {tuple(scales.shape)}, "
                                    f"expected uint8 {want[:-1]} (one per block of {name}_blocks)")
-    values = np.empty((*want[:-1], MXFP4_BLOCK), np.float32)
-    values[..., 0::2] = MXFP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = MXFP4_VALUES[blocks >> 4]
-    return values.reshape(shape), np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127)
+    return want
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str,

@@ -130,7 +130,7 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     or packed, the checkpoint's bytes: `qweight` uint8 [L, E, out, in / 2], `scale` uint8."""
     import ml_dtypes
 
-    from jaxserve.models.checkpoint_quant import dequantize_mxfp4, unpack_mxfp4
+    from jaxserve.models.checkpoint_quant import check_mxfp4, dequantize_mxfp4, unpack_mxfp4
 
     E, H, I, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
     mxfp4 = fmt is not None and fmt.mxfp4
@@ -150,7 +150,7 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         if q is None:
             return _fetch(get, prefix, (E, n_in, n_out), source)
         if fmt is WeightFormat.CHECKPOINT_MXFP4_PACKED:
-            unpack_mxfp4(*q, prefix, (E, n_out, n_in))  # checks the shapes
+            check_mxfp4(*q, prefix, (E, n_out, n_in))
             return q[0].reshape(E, n_out, n_in // 2), q[1]
         if mxfp4:
             values, scale = unpack_mxfp4(*q, prefix, (E, n_out, n_in))

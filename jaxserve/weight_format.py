@@ -33,9 +33,9 @@ class WeightFormat(enum.Enum):
     CHECKPOINT_INT4_ZP = "checkpoint int4 zero points"  # int4 values, zero points times scales (AWQ)
     CHECKPOINT_FP8 = "checkpoint fp8"  # float8_e4m3fn
     # GPT-OSS's experts at 4 bits: FP4 (E2M1) values, a power-of-two scale per 32 inputs
-    # (models/checkpoint_quant.py); only ever an experts' format (ResolvedConfig). As float4
-    # values and float32 scales; or (GPUs, where XLA copied a float4 stack whole) as the
-    # checkpoint stores them: two values a byte and each scale's biased exponent, uint8.
+    # (models/checkpoint_quant.py); only ever an experts' format (ResolvedConfig). Each scale
+    # kept as the checkpoint stores it, its biased exponent (uint8, E8M0); the values float4,
+    # or (GPUs, where XLA copied a float4 stack whole) two a byte as stored.
     CHECKPOINT_MXFP4 = "checkpoint mxfp4"
     CHECKPOINT_MXFP4_PACKED = "checkpoint mxfp4 packed"
 
@@ -85,7 +85,7 @@ class WeightFormat(enum.Enum):
 
     @property
     def scale_dtype(self) -> str:  # a scaled format's `scale`
-        return "uint8" if self is WeightFormat.CHECKPOINT_MXFP4_PACKED else "float32"
+        return "uint8" if self.mxfp4 else "float32"
 
     @property
     def mxfp4(self) -> bool:

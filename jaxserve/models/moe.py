@@ -45,9 +45,12 @@ def _num_experts(w: Experts) -> int:
 
 
 def dequantize(q: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
-    """Scaled experts [..., out, in] in `dtype`: values times their group's scale; packed
-    MXFP4 (uint8: two FP4 codes a byte, the low nibble first; scales the exponents biased by
-    127) decoded with integer ops (models/checkpoint_quant.py has the format)."""
+    """Scaled experts [..., out, in] in `dtype`: values times their group's scale. MXFP4's
+    scales are uint8, each the exponent of a power of two biased by 127 (E8M0); its values
+    float4, or packed (uint8: two FP4 codes a byte, the low nibble first), decoded with integer
+    ops (models/checkpoint_quant.py has the format)."""
+    if s.dtype == jnp.uint8:
+        s = jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)  # 2^(s-127)
     if q.dtype != jnp.uint8:
         return dequantize_int8(q, s.astype(dtype))
     codes = jnp.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1).astype(jnp.int32)
@@ -55,8 +58,7 @@ def dequantize(q: jax.Array, s: jax.Array, dtype: Any) -> jax.Array:
     # E2M1: e = 0 is subnormal (m / 2), else (1 + m / 2) * 2^(e - 1).
     mag = jnp.where(e == 0, m * 0.5, (2 + m) * jnp.left_shift(1, e).astype(jnp.float32) * 0.25)
     values = jnp.where(codes >= 8, -mag, mag)
-    scale = jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)  # 2^(s-127)
-    w = values.reshape(*s.shape, -1) * scale[..., None]
+    w = values.reshape(*s.shape, -1) * s[..., None]
     return w.reshape(*q.shape[:-1], -1).astype(dtype)
 
 

@@ -96,6 +96,7 @@ def test_gpt_oss_logits_match_transformers(gpt_oss, experts: WeightFormat | None
     w_gate = params["params"]["layers"]["mlp"]["w_gate"]
     if experts is not None:
         assert w_gate["qweight"].dtype.name == experts.values_dtype
+        assert w_gate["scale"].dtype == np.uint8  # E8M0 exponents, as stored
     model = LlamaForCausalLM(arch, ModelOptions(experts_format=experts))
     for ids in PROMPTS:
         ours, ref = prompt_logits(model, params, ids), hf_logits(float_dir, ids)

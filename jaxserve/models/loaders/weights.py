@@ -126,8 +126,8 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     [E, H, 2I] (gate and up interleaved: columns 0, 2, .. are the gate's) and `down_proj`
     [E, I, H], or their MXFP4 `_blocks` / `_scales` ([E, out, in] quantized), dequantized here
     once, one layer at a time; with an MXFP4 `fmt` kept at 4 bits: `qweight` FP4 values
-    [L, E, out, in] and `scale` float32 [L, E, out, in / 32] (models/moe.py's Int8Stack),
-    or packed, the checkpoint's bytes: `qweight` uint8 [L, E, out, in / 2], `scale` uint8."""
+    [L, E, out, in] and `scale` uint8 [L, E, out, in / 32] as stored (models/moe.py's
+    Int8Stack), or packed, the checkpoint's bytes: `qweight` uint8 [L, E, out, in / 2]."""
     import ml_dtypes
 
     from jaxserve.models.checkpoint_quant import check_mxfp4, dequantize_mxfp4, unpack_mxfp4
@@ -152,9 +152,9 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         if fmt is WeightFormat.CHECKPOINT_MXFP4_PACKED:
             check_mxfp4(*q, prefix, (E, n_out, n_in))
             return q[0].reshape(E, n_out, n_in // 2), q[1]
-        if mxfp4:
-            values, scale = unpack_mxfp4(*q, prefix, (E, n_out, n_in))
-            return values.astype(ml_dtypes.float4_e2m1fn), scale
+        if mxfp4:  # float4 values, the scales as stored
+            values = unpack_mxfp4(*q, prefix, (E, n_out, n_in))[0]
+            return values.astype(ml_dtypes.float4_e2m1fn), q[1]
         return dequantize_mxfp4(*q, prefix, (E, n_out, n_in)).swapaxes(1, 2)
 
     def rows(m: Any, part: slice) -> Any:  # the gate's or up's outputs of gate_up

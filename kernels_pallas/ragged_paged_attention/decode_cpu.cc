@@ -9,6 +9,10 @@
 // streams its keys straight from the cache pages (float32 or bfloat16, widened in registers),
 // with an online softmax; the items of one row are merged at the end (split-K: one long row
 // still spreads over every core). AVX2/FMA; items on kernels_pallas/cpu_kernels.h's pool.
+// Over a bfloat16 cache on a CPU with AVX512-BF16 (`bf16_dots`) a tile's keys sit in the lanes
+// of one vector and both dots run vdpbf16ps (`attend_bf16`): q and the softmax weights are
+// rounded to bf16, as the cache's keys and values already are; sums, maxima and exps stay
+// float32. Those functions carry target attributes, so the library loads on any x86-64 CPU.
 //
 // Layout (kernels_pallas/kv_cache.py, "standard"): cache [num_pages, page_size, 2 * kvh, D],
 // key of kv head h at row 2h, value at 2h + 1. Keys past row_pos are never read (their slots
@@ -28,14 +32,19 @@
 
 namespace ffi = xla::ffi;
 
+extern "C" int paged_decode_attention_supported();
+
 namespace {
 
+using kernels_pallas::exp16;
 using kernels_pallas::hsum;
+using kernels_pallas::soft_cap16;
 
 constexpr int kTile = 16;      // keys scored together (at most one page)
 constexpr int kMaxGroup = 16;  // q heads per kv head
 constexpr int kMaxHeads = 64;  // kv heads (on this device)
 constexpr int64_t kChunkKeys = 256;  // keys per work item (a multiple of the page size)
+constexpr int64_t kMaxBf16D = 256;   // head_dim bound of the bf16 path (a multiple of 32)
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float (bf16 is float32's top half)
@@ -174,10 +183,149 @@ void attend(const Params& p, const T* cache, const int32_t* table, const float* 
   }
 }
 
+// The 16 vectors' lane sums as one vector: lane j holds the sum of a[j]'s lanes (pairs
+// interleaved and added, then 64-bit pairs, then 128-bit blocks twice).
+K512 inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                         _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int k = 0; k < 2; ++k)
+    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// `attend` over a bfloat16 cache with bf16 dots, in steps of kSub tiles of 16 keys (page_size
+// % 16 == 0, D % 32 == 0). Scores: each key row's vdpbf16ps with q's bf16 pairs, a tile's 16
+// partial vectors summed across (hsum16) into one vector, a key a lane. The online softmax
+// runs once per step (its reductions and exps are serial: amortized over 64 keys). Values: two
+// keys' rows interleaved per channel, (V[j][d], V[j+1][d]), against the two weights as one bf16
+// pair; the output vectors hold channels in unpack order (lane 4b + t of vector 2c + half:
+// channel 32c + 8b + 4half + t), put back in order into `out` at the end.
+constexpr int kSub = 4;
+K512BF void attend_bf16(const Params& p, const uint16_t* cache, const int32_t* table,
+                        const float* q, int64_t k0, int64_t k1, Partial* out) {
+  const int64_t G = p.group, D = p.D, H = p.kvh, row_stride = 2 * H * D, C = D / 32, NV = 2 * C;
+  constexpr int64_t kStep = 16 * kSub;
+  std::vector<uint32_t> qb(H * G * D / 2);  // q as bf16 pairs
+  for (int64_t r = 0; r < H * G; ++r)
+    for (int64_t c = 0; c < C; ++c)
+      _mm512_storeu_si512(qb.data() + r * D / 2 + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(
+          _mm512_loadu_ps(q + r * D + 32 * c + 16), _mm512_loadu_ps(q + r * D + 32 * c)));
+  std::vector<float> m(H * G, -std::numeric_limits<float>::infinity()), l(H * G, 0.0f);
+  std::vector<float> acc(H * G * D, 0.0f);  // in unpack order
+  // A step's values of one kv head, keys paired: [tile][pair][vector].
+  __m512i vp[kSub * 8 * 2 * (kMaxBf16D / 32)];
+  auto tile_base = [&](int64_t t0) {
+    const int64_t page = std::clamp<int64_t>(
+        table[std::min(t0 / p.page_size, p.pages_per_seq - 1)], 0, p.num_pages - 1);
+    return cache + (page * p.page_size + t0 % p.page_size) * row_stride;
+  };
+  const int64_t tile_bytes = 16 * row_stride * 2;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = k0 / kStep * kStep; t0 <= k1; t0 += kStep) {
+    const uint16_t* slots[kSub];
+    __mmask16 valid[kSub];
+    int lo[kSub], hi[kSub], n = 0;  // tiles [0, n) hold keys of [k0, k1]
+    for (int u = 0; u < kSub; ++u) {
+      const int64_t ts = t0 + 16 * u;
+      if (ts > k1) break;
+      lo[u] = static_cast<int>(std::max(k0, ts) - ts), hi[u] = static_cast<int>(std::min(k1, ts + 15) - ts);
+      valid[u] = lo[u] <= hi[u] ? static_cast<__mmask16>(((2u << hi[u]) - 1) & ~((1u << lo[u]) - 1)) : 0;
+      slots[u] = tile_base(ts);
+      n = u + 1;
+    }
+    for (int64_t ts = t0 + kStep; ts < t0 + 2 * kStep && ts <= k1; ts += 16) {
+      const char* next = reinterpret_cast<const char*>(tile_base(ts));
+      // Into L2: into L1 the next tiles evict the ones being read.
+      for (int64_t b = 0; b < tile_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      for (int u = 0; u < n; ++u) {
+        const uint16_t* V = slots[u] + (2 * h + 1) * D;
+        for (int j = 0; j < 16; j += 2) {  // keys outside [lo, hi] pair as 0 (their slots: anything)
+          for (int64_t c = 0; c < C; ++c) {
+            const __m512i a = (j >= lo[u] && j <= hi[u])
+                ? _mm512_loadu_si512(V + j * row_stride + 32 * c) : _mm512_setzero_si512();
+            const __m512i b = (j + 1 >= lo[u] && j + 1 <= hi[u])
+                ? _mm512_loadu_si512(V + (j + 1) * row_stride + 32 * c) : _mm512_setzero_si512();
+            vp[(u * 8 + j / 2) * NV + 2 * c] = _mm512_unpacklo_epi16(a, b);
+            vp[(u * 8 + j / 2) * NV + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+          }
+        }
+      }
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t r = h * G + i;
+        const uint32_t* qr = qb.data() + r * D / 2;
+        __m512 s[kSub];
+        __m512 smax = neg_inf;
+        for (int u = 0; u < n; ++u) {
+          const uint16_t* K = slots[u] + 2 * h * D;
+          __m512 a[16];
+          for (int j = 0; j < 16; ++j) {
+            a[j] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C; ++c)
+              a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(qr + 16 * c),
+                                      (__m512bh)_mm512_loadu_si512(K + j * row_stride + 32 * c));
+          }
+          s[u] = _mm512_mul_ps(hsum16(a), _mm512_set1_ps(p.scale));
+          if (p.soft_cap > 0.0f) s[u] = soft_cap16(s[u], p.soft_cap);
+          s[u] = _mm512_mask_blend_ps(valid[u], neg_inf, s[u]);
+          smax = _mm512_max_ps(smax, s[u]);
+        }
+        const float m_new = std::max(m[r], _mm512_reduce_max_ps(smax));
+        const float alpha = std::exp(m[r] - m_new);  // 0 for the first step (m = -inf)
+        const __m512 mv = _mm512_set1_ps(m_new);
+        alignas(32) uint32_t w[kSub][8];  // the weights of keys (2k, 2k+1) as a bf16 pair
+        __m512 lsum = _mm512_setzero_ps();
+        for (int u = 0; u < n; ++u) {
+          const __m512 e = _mm512_maskz_mov_ps(valid[u], exp16(_mm512_sub_ps(s[u], mv)));
+          lsum = _mm512_add_ps(lsum, e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(w[u]), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        l[r] = l[r] * alpha + _mm512_reduce_add_ps(lsum);
+        m[r] = m_new;
+        float* o = acc.data() + r * D;
+        // Two sets of accumulators (even and odd key pairs): twice the independent chains.
+        __m512 ov[2][2 * (kMaxBf16D / 32)];
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int64_t v = 0; v < NV; ++v) {
+          ov[0][v] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * v), av);
+          ov[1][v] = _mm512_setzero_ps();
+        }
+        for (int u = 0; u < n; ++u)
+          for (int k = lo[u] / 2; k <= hi[u] / 2; ++k) {
+            const __m512bh wk = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[u][k]));
+            const __m512i* vk = vp + (u * 8 + k) * NV;
+            for (int64_t v = 0; v < NV; ++v)
+              ov[k & 1][v] = _mm512_dpbf16_ps(ov[k & 1][v], wk, (__m512bh)vk[v]);
+          }
+        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(o + 16 * v, _mm512_add_ps(ov[0][v], ov[1][v]));
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < G; ++i) {
+      const int64_t r = h * G + i;
+      out[h].m[i] = m[r];
+      out[h].l[i] = l[r];
+      const float* o = acc.data() + r * D;
+      for (int64_t v = 0; v < NV; ++v)
+        for (int lane = 0; lane < 16; ++lane)
+          out[h].acc[i * D + 32 * (v / 2) + 8 * (lane / 4) + 4 * (v % 2) + lane % 4] = o[16 * v + lane];
+    }
+}
+
 template <typename T>
 ffi::Error Run(const Params& p, const float* q, const T* cache, const int32_t* tables,
                int64_t num_seqs, const int32_t* row_seq, const int32_t* row_pos, int64_t rows,
-               float* out) {
+               bool bf16_dots, float* out) {
   const int64_t G = p.group, D = p.D, H = p.kvh;
   // Partials (row, chunk of kChunkKeys keys at absolute multiples of kChunkKeys, kv head).
   std::vector<int64_t> first(rows), ends(rows);
@@ -205,7 +353,11 @@ ffi::Error Run(const Params& p, const float* q, const T* cache, const int32_t* t
       const int64_t s = std::clamp<int64_t>(row_seq[r], 0, num_seqs - 1);
       Partial parts[kMaxHeads];
       for (int64_t h = 0; h < H; ++h) parts[h] = partial(item * H + h);
-      attend(p, cache, tables + s * p.pages_per_seq, q + r * H * G * D, k0, k1, parts);
+      const int32_t* table = tables + s * p.pages_per_seq;
+      if constexpr (std::is_same<T, uint16_t>::value) {
+        if (bf16_dots) return attend_bf16(p, cache, table, q + r * H * G * D, k0, k1, parts);
+      }
+      attend(p, cache, table, q + r * H * G * D, k0, k1, parts);
     });
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("paged_decode_attention: ") + e.what());
@@ -239,7 +391,7 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                       ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> row_seq,
                       ffi::Buffer<ffi::S32> row_pos, ffi::Buffer<ffi::S32> num_rows,
                       ffi::Buffer<ffi::F32> sinks,
-                      float sm_scale, float soft_cap, int64_t sliding_window,
+                      float sm_scale, float soft_cap, int64_t sliding_window, bool bf16_dots,
                       ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = cache.dimensions(), td = page_indices.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 != 0 || cd[3] != qd[2])
@@ -255,6 +407,11 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
       row_pos.element_count() != qd[0] || num_rows.element_count() != 1)
     return ffi::Error::InvalidArgument("paged_decode_attention: unsupported shapes");
   p.group = qd[1] / p.kvh;
+  if (bf16_dots && (cache.element_type() == ffi::DataType::F32 || p.D % 32 != 0 || p.D > kMaxBf16D ||
+                    p.page_size % 16 != 0 || paged_decode_attention_supported() != 2))
+    return ffi::Error::InvalidArgument(
+        "paged_decode_attention: bf16_dots needs a bfloat16 cache, head_dim a multiple of 32 "
+        "(at most 256), pages of a multiple of 16 tokens and a CPU with AVX512-BF16");
   const int64_t R = qd[0];
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, R);
   float* o = out->typed_data();
@@ -263,12 +420,12 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
     case ffi::DataType::F32:
       return Run(p, q.typed_data(), static_cast<const float*>(cache.untyped_data()),
                  page_indices.typed_data(), td[0], row_seq.typed_data(), row_pos.typed_data(),
-                 rows, o);
+                 rows, false, o);
     case ffi::DataType::BF16:
     case ffi::DataType::U16:  // bf16 bits (kernels_pallas/kv_cache.py: as_bits)
       return Run(p, q.typed_data(), static_cast<const uint16_t*>(cache.untyped_data()),
                  page_indices.typed_data(), td[0], row_seq.typed_data(), row_pos.typed_data(),
-                 rows, o);
+                 rows, bf16_dots, o);
     default:
       return ffi::Error::InvalidArgument("paged_decode_attention: cache must be float32 or bfloat16 (or its bits)");
   }
@@ -276,8 +433,13 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
 
 }  // namespace
 
+// 1: AVX2/FMA (float32 dots); 2: and AVX-512 with AVX512-BF16 (bf16 dots over a bf16 cache).
 extern "C" int paged_decode_attention_supported() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("avx512bf16")
+             ? 2 : 1;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, DecodeImpl,
@@ -292,4 +454,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttentionCpu, DecodeImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("sliding_window")
+                                  .Attr<bool>("bf16_dots")
                                   .Ret<ffi::Buffer<ffi::F32>>());

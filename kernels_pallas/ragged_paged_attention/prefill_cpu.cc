@@ -36,10 +36,11 @@
 
 namespace ffi = xla::ffi;
 
-#define K512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define K512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
-
 namespace {
+
+using kernels_pallas::bf16_bits;
+using kernels_pallas::exp16;
+using kernels_pallas::soft_cap16;
 
 constexpr int kLanes = 16;
 constexpr int kRows = 2 * kLanes;  // query rows per row block
@@ -58,34 +59,6 @@ struct Params {
 struct Item {
   int64_t seq, t0, nq, pos0, h;
 };
-
-// e^x for 16 lanes (x clamped to [-87, 88]; Cephes' expf polynomial, relative error ~2e-7).
-K512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  namespace c = kernels_pallas::expf_coeffs;
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(c::kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(c::kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(c::kP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c::kP[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-K512 inline __m512 soft_cap16(__m512 s, float cap) {  // cap * tanh(s / cap)
-  const __m512 e = exp16(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / cap)));
-  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                                 _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
-}
-
-// bf16 (round to nearest even) of 16 floats, in the low or high half of each 32-bit lane.
-K512 inline __m512i bf16_bits(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
-}
 
 // The state of one row block: running max and sum per row, output transposed [D][kRows].
 struct RowBlock {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -77,6 +78,34 @@ def test_decode_kernel_cache_dtypes_pages_and_groups(dtype, page_size: int, num_
     dtype the kernel reads, page sizes of one and several tiles, GQA groups 1 to 8."""
     _check([(1, 530), (1, 9), (1, 257), (1, 256)], dtype=dtype, page_size=page_size,
            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, sliding_window=301, soft_cap=5.0)
+
+
+def _decode_dots() -> list[str]:
+    """The decode kernel's dot types over a bf16 cache that this CPU runs."""
+    return ["float32"] + (["bfloat16"] if _decode_cpu.bf16_dots(BF16, 64, 16) else [])
+
+
+@pytest.mark.parametrize("dots", _decode_dots())
+def test_decode_kernel_dots_over_a_bf16_cache(dots: str) -> None:
+    """Each dot type the kernel has for a bf16 cache (AVX512-BF16's where the CPU has it, the
+    float32 FMAs everywhere) against the float64 oracle: windows starting inside a 16-key tile,
+    soft capping, sinks, a group of 3 (the default model's), chunks merged."""
+    batch = make_batch([(1, 530), (1, 9), (1, 257)], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                       page_size=16, num_tokens=3, dtype=BF16, seed=5)
+    sinks = np.linspace(-3.0, 2.0, 9).astype(np.float32)
+    row_seq, row_pos = jnp.arange(3, dtype=jnp.int32), jnp.asarray([529, 8, 256], jnp.int32)
+    got = np.asarray(jax.jit(functools.partial(
+        _decode_cpu.paged_decode_attention, sm_scale=0.125, soft_cap=5.0, sliding_window=301,
+        sinks=sinks, dots=dots))(
+        batch.q, batch.kv_pages, batch.page_indices, row_seq, row_pos, jnp.int32(3)))
+    want = naive_attention(batch, sm_scale=0.125, sliding_window=301, soft_cap=5.0, sinks=sinks)
+    np.testing.assert_allclose(got, want[:3], **tolerance(BF16))
+    if dots == "float32":
+        with pytest.raises(ValueError, match="bfloat16 cache"):
+            _decode_cpu.paged_decode_attention(
+                batch.q.astype(np.float32), np.asarray(batch.kv_pages, np.float32),
+                batch.page_indices, row_seq, row_pos, jnp.int32(3), sm_scale=0.125,
+                soft_cap=None, sliding_window=None, dots="bfloat16")
 
 
 def test_decode_kernel_refuses_what_it_cannot_read() -> None:

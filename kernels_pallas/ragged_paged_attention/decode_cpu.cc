@@ -75,6 +75,15 @@ struct Params {
   const float* sinks;  // [kvh * group] attention sinks (reference.py), or nullptr: none
 };
 
+// The cache rows of key t0 of a sequence with page table `table` (entries clamped into the
+// cache): all its kv heads' keys and values, then the next keys' of the same page.
+template <typename T>
+inline const T* slot_rows(const Params& p, const T* cache, const int32_t* table, int64_t t0) {
+  const int64_t page = std::clamp<int64_t>(
+      table[std::min(t0 / p.page_size, p.pages_per_seq - 1)], 0, p.num_pages - 1);
+  return cache + (page * p.page_size + t0 % p.page_size) * 2 * p.kvh * p.D;
+}
+
 // One item's partial softmax: running max m, sum l and unnormalised output acc, per q head.
 struct Partial {
   float* m;    // [group]
@@ -122,11 +131,7 @@ void attend(const Params& p, const T* cache, const int32_t* table, const float* 
   std::vector<float> kbuf, vbuf;
   if (!in_place) kbuf.resize(kTile * D), vbuf.resize(kTile * D);
   const int64_t ks = in_place ? row_stride : D;  // row stride of K / V as read
-  auto tile_base = [&](int64_t t0) {
-    const int64_t page = std::clamp<int64_t>(
-        table[std::min(t0 / p.page_size, p.pages_per_seq - 1)], 0, p.num_pages - 1);
-    return cache + (page * p.page_size + t0 % p.page_size) * row_stride;
-  };
+  auto tile_base = [&](int64_t t0) { return slot_rows(p, cache, table, t0); };
   const int64_t tile_bytes = tile * row_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = k0 / tile * tile; t0 <= k1; t0 += tile) {
     const int64_t lo = std::max(k0, t0) - t0, hi = std::min(k1, t0 + tile - 1) - t0;  // valid keys
@@ -222,11 +227,7 @@ K512BF void attend_bf16(const Params& p, const uint16_t* cache, const int32_t* t
   std::vector<float> acc(H * G * D, 0.0f);  // in unpack order
   // A step's values of one kv head, keys paired: [tile][pair][vector].
   __m512i vp[kSub * 8 * 2 * (kMaxBf16D / 32)];
-  auto tile_base = [&](int64_t t0) {
-    const int64_t page = std::clamp<int64_t>(
-        table[std::min(t0 / p.page_size, p.pages_per_seq - 1)], 0, p.num_pages - 1);
-    return cache + (page * p.page_size + t0 % p.page_size) * row_stride;
-  };
+  auto tile_base = [&](int64_t t0) { return slot_rows(p, cache, table, t0); };
   const int64_t tile_bytes = 16 * row_stride * 2;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = k0 / kStep * kStep; t0 <= k1; t0 += kStep) {

@@ -1,4 +1,5 @@
-// What the CPU matmul kernels (int8_matmul, bf16_matmul) share: a horizontal sum, and a small
+// What the CPU kernels (int8_matmul, bf16_matmul, the attention kernels) share: a horizontal
+// sum, exps, the AVX-512 helpers of the attention kernels, and a small
 // thread pool: a call's chunks of output rows are taken from a shared counter by the calling thread and the helpers (one
 // per other core, or KERNELS_PALLAS_INT8_THREADS in all), so the caller never waits for a
 // helper that has not started. One call runs at a time; each already uses every core.
@@ -36,7 +37,6 @@ constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -
 constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                          4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 }  // namespace expf_coeffs
-
 
 // AVX-512 helpers of the attention kernels. Each function carries a target attribute, so a
 // library holding them loads on any x86-64 CPU; they run only where the CPU has the ISA.

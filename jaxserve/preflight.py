@@ -312,9 +312,10 @@ def _roofline_rows(target: Target, worker: Any, config: Any) -> list[Row]:
     weight_width = (0.5 if fmt.values_dtype == "int4" else 1 if fmt.scaled
                     else 2 if fmt.bf16 else act)
     kv_width = 1 if r.kv_cache_dtype.fp8 else np.dtype(r.kv_cache_dtype.value).itemsize
-    # MXFP4 experts: half a byte a value and a byte's scale per 32.
+    # MXFP4 experts: half a byte a value and a scale per 32.
     experts = r.experts_weight_format
-    experts_width = None if experts is None else 0.5 + 1 / 32
+    experts_width = (None if experts is None
+                     else 0.5 + np.dtype(experts.scale_dtype).itemsize / 32)
     return roofline.rows(
         target.name, chip(target.chip), worker.arch, pc.tensor_parallel_size,
         "int8" if fmt is WeightFormat.INT8 else "bf16", weight_width, kv_width, act,

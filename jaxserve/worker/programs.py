@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -152,15 +152,23 @@ def without_persistent_cache() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
-def compile_program(program: Program, compiler_options: dict[str, Any] | None = None
-                    ) -> tuple[CompiledProgram, Any]:
-    """Lower and compile `program` for its arguments' devices (the device compiler runs:
-    Mosaic for TPU kernels, Triton and ptxas for GPU ones). Returns the report and the
-    compiled executable. Raises the compiler's error."""
-    t0 = time.perf_counter()
+def lower_program(program: Program) -> jax.stages.Lowered:
+    """Trace and lower `program` on the calling thread. Tracing runs Python (Flax modules,
+    JAX's tracing state) that is not safe to run from several threads at once."""
     with jax.set_mesh(program.mesh):  # Pallas TPU reads the generation from the mesh's devices
-        compiled = program.fn.trace(*program.args).lower().compile(compiler_options or None)
-    seconds = time.perf_counter() - t0
+        return program.fn.trace(*program.args).lower()
+
+
+def compile_lowered(program: Program, lowered: jax.stages.Lowered,
+                    compiler_options: dict[str, Any] | None = None, lower_s: float = 0.0
+                    ) -> tuple[CompiledProgram, jax.stages.Compiled]:
+    """Compile a lowered `program` for its arguments' devices (the device compiler runs: Mosaic
+    for TPU kernels, Triton and ptxas for GPU ones) and read back its report. XLA compiles
+    outside the GIL: safe to call from several threads. Raises the compiler's error."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(program.mesh):
+        compiled = lowered.compile(compiler_options or None)
+    seconds = lower_s + time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cache = program.args[program.cache_arg] if program.cache_arg is not None else None
     copies = count_cache_copies(compiled.as_text(), cache) if cache is not None else 0
@@ -171,6 +179,15 @@ def compile_program(program: Program, compiler_options: dict[str, Any] | None = 
         int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
         per_device_bytes(cache) if cache is not None else 0, copies, flops, bytes_accessed)
     return report, compiled
+
+
+def compile_program(program: Program, compiler_options: dict[str, Any] | None = None
+                    ) -> tuple[CompiledProgram, jax.stages.Compiled]:
+    """Lower and compile `program` on this thread: the report and the compiled executable.
+    Raises the tracer's or the compiler's error."""
+    t0 = time.perf_counter()
+    lowered = lower_program(program)
+    return compile_lowered(program, lowered, compiler_options, time.perf_counter() - t0)
 
 
 def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
@@ -248,34 +265,41 @@ def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Prog
 
 def compile_programs(programs: list[Program], compiler_options: dict[str, Any] | None = None,
                      threads: int = 1) -> list[CompiledProgram | BaseException]:
-    """`compile_program` for each, in order; a failed compile is its exception. XLA compiles
-    outside the GIL, so `threads` > 1 runs that many compiles at once."""
-    def one(p: Program) -> CompiledProgram | BaseException:
-        try:
-            return compile_program(p, compiler_options)[0]
-        except Exception as e:  # noqa: BLE001 - the compiler's error is the result
-            return e
-
+    """`compile_program` for each, in order; a failed trace or compile is its exception.
+    Programs are traced and lowered one after another on this thread; with `threads` > 1 their
+    compiles (outside the GIL) run in that many threads while the next ones are lowered."""
     if threads <= 1:
-        return [one(p) for p in programs]
+        return [_result(lambda: compile_program(p, compiler_options)[0]) for p in programs]
     # The TPU compiler recurses deeply (tpu7x's SparseCore lowering overflowed a default
     # 8 MiB thread stack): give the compile threads the room a main thread has and more.
     previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
     try:
         with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(one, programs))
+            pending: list[Future[CompiledProgram] | BaseException] = []
+            for p in programs:
+                t0 = time.perf_counter()
+                try:
+                    lowered = lower_program(p)
+                except Exception as e:  # noqa: BLE001 - the tracer's error is the result
+                    pending.append(e)
+                    continue
+                pending.append(pool.submit(_compile_report, p, lowered, compiler_options,
+                                           time.perf_counter() - t0))
+            return [r if isinstance(r, BaseException) else _result(r.result) for r in pending]
     finally:
         threading.stack_size(previous)
-    # Tracing is Python: a dict iterated in one compile thread while another changes it (seen
-    # once in the suite, "dictionary changed size during iteration", not reproduced), or a
-    # KeyError 'parent' from the modules' bookkeeping (seen once, passed alone), is a race, not
-    # the program's error; such a program is compiled again on this thread.
-    return [one(p) if _is_tracing_race(r) else r for p, r in zip(programs, results)]
 
 
-def _is_tracing_race(result: Any) -> bool:
-    return ((type(result) is RuntimeError and "changed size during iteration" in str(result))
-            or (type(result) is KeyError and result.args == ("parent",)))
+def _compile_report(program: Program, lowered: jax.stages.Lowered,
+                    compiler_options: dict[str, Any] | None, lower_s: float) -> CompiledProgram:
+    return compile_lowered(program, lowered, compiler_options, lower_s)[0]
+
+
+def _result(fn: Callable[[], CompiledProgram]) -> CompiledProgram | BaseException:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the compiler's error is the result
+        return e
 
 
 def sizing_programs(programs: list[Program]) -> list[Program]:

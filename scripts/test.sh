@@ -24,7 +24,7 @@ fi
 python - <<'PY'
 import importlib.metadata as md, platform
 names = ["jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "nvidia-cuda-nvcc-cu12", "flax", "torch",
-         "transformers", "onednn-cpu-gomp", "pytest", "schemathesis", "hypothesis", "llguidance", "openai", "playwright"]
+         "transformers", "onednn-cpu-gomp", "pytest", "mypy", "ruff", "schemathesis", "hypothesis", "llguidance", "openai", "playwright"]
 def version(name):
     try:
         return md.version(name)
@@ -32,6 +32,11 @@ def version(name):
         return "-"
 print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
 PY
+# Lint and types before the tests (configured in pyproject.toml): either failing fails the run.
+# The type check's cache lives outside the clone, so a fresh checkout re-checks only what changed.
+python -m ruff check jaxserve kernels_pallas tests scripts
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/jaxserve/mypy"
+python -m mypy --cache-dir "$cache"
 export JAX_PLATFORMS=cpu
 # The device-compile tests (tests/device_compile) fail, rather than skip, without the preflight extra.
 export JAXSERVE_REQUIRE_DEVICE_COMPILE=1

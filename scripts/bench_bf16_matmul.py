@@ -37,8 +37,8 @@ def main() -> None:
 
     import kernels_pallas.bf16_matmul as bf16_kernel
     import kernels_pallas.int8_matmul as int8_kernel
-    from kernels_pallas.bf16_matmul import cpu as bf16_cpu
     from jaxserve.models.quantization import quantize_int8
+    from kernels_pallas.bf16_matmul import cpu as bf16_cpu
 
     rng = np.random.default_rng(0)
     shapes = dict(q=(H, H), k=(H, KV), v=(H, KV), o=(H, H), g=(H, I), u=(H, I), d=(I, H))  # [in, out]

@@ -199,8 +199,7 @@ def main() -> None:
             if extra is not None:
                 runs.append(("jax.ops.gpu.paged_attn", extra))
         if platform == "tpu":  # JAX's own TPU kernel takes the standard layout (not interpretable)
-            from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
-                ragged_paged_attention as jax_rpa)
+            from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as jax_rpa
 
             upstream = jax.jit(lambda *a: jax_rpa(*a, sm_scale=scale))
             runs.append(("jax.ops.tpu.ragged_pa", lambda: upstream(*args)))

@@ -22,13 +22,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "model
 from forward import prompt_logits  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.models.model_files import resolve_model  # noqa: E402
+from jaxserve.config import WeightFormat  # noqa: E402
+from jaxserve.engine.resolve import resolve_packed_weights  # noqa: E402
 from jaxserve.models import LlamaForCausalLM  # noqa: E402
 from jaxserve.models.attention import ModelOptions  # noqa: E402
-from jaxserve.config import WeightFormat  # noqa: E402
 from jaxserve.models.loaders import load_checkpoint  # noqa: E402
+from jaxserve.models.model_files import resolve_model  # noqa: E402
 from jaxserve.models.quantization import pack_params, param_bytes, quantize_params  # noqa: E402
-from jaxserve.engine.resolve import resolve_packed_weights  # noqa: E402
 from jaxserve.models.tokenizer import load_tokenizer  # noqa: E402
 
 PROMPTS = [

@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from batches import make_batch, tolerance  # noqa: E402  (tests/kernels/batches.py)
 
 import kernels_pallas  # noqa: E402
 from kernels_pallas.kv_cache import KVCacheLayout, convert_cache  # noqa: E402
-from batches import make_batch, tolerance  # noqa: E402  (tests/kernels/batches.py)
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,

@@ -17,11 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import device_check as dc  # scripts/device_check.py
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import device_check as dc  # scripts/device_check.py
 
 
 def layer_scan(rows: int, scanned: bool, L: int, H: int, I: int,

@@ -33,17 +33,17 @@ from jax import export
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
+from jaxserve.config import KV_CACHE_DTYPES, KVCacheDtype, ParallelConfig, WeightFormat
+from jaxserve.engine.resolve import AUTO_ATTENTION_BACKEND
 from jaxserve.models import ArchConfig, LlamaForCausalLM
-from jaxserve.models.attention import ModelOptions
 from jaxserve.models.arch_config import RopeScaling
+from jaxserve.models.attention import ModelOptions
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params
-from jaxserve.config import KV_CACHE_DTYPES, KVCacheDtype, ParallelConfig, WeightFormat
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
-from jaxserve.worker.sampler_inputs import sampler_packing
 from jaxserve.worker.sampler import SamplerMode
-from jaxserve.engine.resolve import AUTO_ATTENTION_BACKEND
+from jaxserve.worker.sampler_inputs import sampler_packing
 
 SHAPES = {
     # SmolLM2-135M-Instruct, the default model.

@@ -76,11 +76,10 @@ def main():
 
     import importlib.metadata as md
 
-    import transformers
-    from transformers import AutoModelForCausalLM, AwqConfig, GPTQConfig
-
     import gptqmodel
+    import transformers
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from transformers import AutoModelForCausalLM, AwqConfig, GPTQConfig
 
     with open(os.path.join(ckpt, "config.json")) as f:
         qc = json.load(f)["quantization_config"]

@@ -32,8 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 import kernels_pallas  # noqa: E402, F401  (registers the backends)
-from kernels_pallas.ragged_paged_attention import gpu  # noqa: E402
 from jaxserve.worker.targets import make_devices, parse_target  # noqa: E402
+from kernels_pallas.ragged_paged_attention import gpu  # noqa: E402
 
 # Llama-3-8B attention, one 256-token step of 64 sequences over 4,096 pages.
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKENS, SEQS, PAGES, PAGES_PER_SEQ = 32, 8, 128, 16, 256, 64, 4096, 512

@@ -20,7 +20,6 @@ import re
 import tempfile
 import time
 
-
 # XLA CPU thunk names (numeric suffix dropped) -> what they are in a decoder step.
 _GROUPS = (("matmul (YNNPACK / oneDNN / Eigen dots; kernels_pallas FFI: matmuls, decode attention)",
             ("ynn_fusion", "dot", "onednn", "convolution", "ffi_call", "custom-call")),

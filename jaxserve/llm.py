@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.build import build_engine_core, run_follower_process
-from jaxserve.engine_core.request import Request
-from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.front_end import load_front_end
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS
+from jaxserve.engine_core.request import Request
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -51,8 +51,8 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer, config.request_tracing)
         # The checks shared with the API server (jaxserve/engine/processor.py).
         self.processor = self.front_end.processor(
-            self.config.scheduler_config.max_model_len, built.worker.arch.vocab_size,
-            self.config.pooler_config, classifier=self.config.resolved.classifier)
+            built.resolved.max_model_len, built.worker.arch.vocab_size,
+            self.config.pooler_config, classifier=built.resolved.classifier)
         self._counter = itertools.count()
         self._shut_down = False
         if num_processes > 1:
@@ -62,7 +62,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's)."""
-        return SamplingParams(**self.front_end.generation_defaults)
+        # Any: generation_config.json's values, which SamplingParams validates.
+        defaults: dict[str, Any] = dict(self.front_end.generation_defaults)
+        return SamplingParams(**defaults)
 
     def generate(
         self,
@@ -148,7 +150,7 @@ class LLM:
         if len(one) != len(two) or not two:
             raise ValueError(f"data_1 has {len(one)} texts and data_2 {len(two)}: give one "
                              "data_1, or as many as data_2")
-        head = self.config.resolved.classifier
+        head = self.engine.resolved.classifier
         params = self.processor.pooling_params(task="score")  # refuses a model without a head
         assert head is not None and self.tokenizer is not None
         pairs = [self.tokenizer(a, text_pair=b) if head.use_sep_token else self.tokenizer(a + b)

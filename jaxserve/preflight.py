@@ -22,15 +22,15 @@ import dataclasses
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.chips import CHIPS, chip, parse_prices
+from jaxserve.engine.arg_utils import EngineArgs, engine_arg_parser, engine_config_from_args
 from jaxserve.models.model_files import ModelFiles, resolve_model
 from jaxserve.platforms import select_jax_platforms
-from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.serve import engine_arg_parser, engine_config_from_args
-from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
 from jaxserve.roofline import Row
+from jaxserve.worker.kv_sizing import InsufficientMemoryError, MemoryPlan, fmt_bytes
 from jaxserve.worker.targets import Target, parse_target, supported_targets
 
 if TYPE_CHECKING:
@@ -217,6 +217,7 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
          roofline: bool = False, only: Callable[[Program], bool] | None = None) -> PreflightReport:
     import jax
 
+    from jaxserve.engine.build import resolved_of
     from jaxserve.engine.resolve import resolve_engine_config
     from jaxserve.worker.programs import ProgramKind, compile_programs
     from jaxserve.worker.targets import make_devices
@@ -229,14 +230,14 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     worker.load_abstract_model()
     cc, sc = config.cache_config, config.scheduler_config
     layout = worker.kv_layout
+    experts_format = resolved_of(worker.config).experts_weight_format
     report = PreflightReport(
         target.name, devices[0].device_kind, len(devices), files.name,
         worker.arch.architecture, {
             "tensor_parallel_size": pc.tensor_parallel_size,
             "pipeline_parallel_size": pc.pipeline_parallel_size,
             "dtype": jax.numpy.dtype(worker.dtype).name, "quantization": worker.weight_format.quantization,
-            "experts_quantization": (worker.config.resolved.experts_weight_format.value
-                                     if worker.config.resolved.experts_weight_format else None),
+            "experts_quantization": experts_format.value if experts_format else None,
             "kv_cache": f"{layout.dtype}{' packed' if layout.packed else ''}",
             "attention_backend": worker.attention_backend, "max_model_len": worker.max_model_len,
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
@@ -282,7 +283,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     for program, r in zip(programs, report.programs):
         if program.kind == "forward" and program.at_warm_up and r.ok:
             temps[program.bucket] = max(temps.get(program.bucket, 0), r.temp_bytes)
-    report.roofline = [dataclasses.replace(r, temp_bytes=temps.get(r.bucket))
+    report.roofline = [dataclasses.replace(r, temp_bytes=None if r.bucket is None
+                                           else temps.get(r.bucket))
                        for r in report.roofline]
     # Compiled costs need the forward and the greedy sampler (--programs may leave them out).
     if report.roofline and (kinds is None or {ProgramKind.FORWARD, ProgramKind.SAMPLE} <= set(kinds)):

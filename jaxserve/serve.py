@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -18,9 +17,9 @@ import socket
 import sys
 from typing import Any
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.api_server.server_args import ServerArgs
+from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import EngineArgs, engine_arg_parser, engine_config_from_args
 from jaxserve.models.model_files import ModelFormat, read_hf_config, resolve_model
 
 
@@ -29,16 +28,6 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p = engine_arg_parser("python -m jaxserve.serve", __doc__.splitlines()[0])
     ServerArgs.add_cli_args(p)
     EngineArgs.add_cli_args(p)
-    return p
-
-
-def engine_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A command line of the engine (serve, preflight): the model as a positional argument
-    (`vllm serve MODEL`'s form); the caller adds its own flags, then the engine's."""
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     return p
 
 
@@ -54,17 +43,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the frozen EngineConfig (raises ValueError naming the bad flag's field)."""
-    engine_args = EngineArgs.from_cli_args(args)
-    tag = getattr(args, "model_tag", None)  # MODEL, positional: the same setting as --model
-    if tag is not None:
-        if engine_args.model is not None and engine_args.model != tag:
-            raise ValueError(f"two models given: {tag!r} and --model {engine_args.model!r}")
-        engine_args = dataclasses.replace(engine_args, model=tag)
-    return engine_args.create_engine_config()
 
 
 def follow(config: EngineConfig, process_id: int, num_processes: int) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HOST_SIDE_ENGINE = ["__init__", "messages", "core_client", "dp_client", "output_processor",
+HOST_SIDE_ENGINE = ["__init__", "messages", "protocol", "core_client", "dp_client", "output_processor",
                     "processor", "arg_utils", "front_end"]
 JAX_FREE = [
     "jaxserve/engine_core",

@@ -1,5 +1,5 @@
 """The OpenAI-compatible API server (FastAPI); never imports JAX. It reaches the engine-core
-process through jaxserve/engine/core_client.py.
+process through an `EngineClient` (jaxserve/engine/protocol.py).
 
     protocol.py          completions and chat request / response bodies (pydantic)
     responses_protocol.py, utility_protocol.py
@@ -15,8 +15,14 @@ process through jaxserve/engine/core_client.py.
                          openai_gptoss parse them)
     reasoning_parsers.py --reasoning-parser: deepseek_r1, qwen3 (<think>...</think>),
                          openai_gptoss (GPT-OSS's harmony channels)
-    app.py               routes and errors
-    debug_routes.py      /debug: the map page, live counters, request traces, diagnose
+    app.py               the app: its routers, middleware and error handlers
+    *_routes.py          one APIRouter per API: openai (completions, chat), responses,
+                         messages (Anthropic), pooling (embeddings, score, rerank,
+                         classify), sagemaker (/invocations), utility (/v1/models,
+                         /tokenize), admin (/health, /version, /metrics), debug (/debug: the
+                         map page, live counters, request traces, diagnose)
+    route_utils.py       errors in the calling API's shape, cancelling on disconnect
+    middleware.py        the API key check and the body size limit
     symptoms.py          symptom -> box findings from traces and counters
     otel.py              --otlp-traces-endpoint: traces as OpenTelemetry spans
     server.py            engine process + readiness handshake + uvicorn

@@ -56,6 +56,7 @@ def tool_grammar(request: ChatCompletionRequest, mode: ToolMode) -> tuple[str, s
     """The structured output (kind, spec) that enforces "required" or a named function."""
     tools = {t.function.name: t.function.parameters for t in request.tools or ()}
     if mode.choice == "named":
+        assert mode.function is not None  # "named" always names its function
         schema = dict(tools[mode.function] or {"type": "object"})
     elif mode.choice == "required":
         schema = required_tools_schema(list(tools.items()), mode.parallel)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -30,11 +30,13 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
                           param=where or None) from None
 
 
-async def chat_events(reply: StreamingResponse) -> AsyncIterator[dict[str, Any]]:
+async def chat_events(reply: StreamingResponse) -> AsyncGenerator[dict[str, Any], None]:
     """The chat stream's JSON events (its SSE `data:` lines but `[DONE]`)."""
     buffer = ""
+    body = reply.body_iterator
+    assert isinstance(body, AsyncGenerator)  # the chat path streams from a generator
     # Closed with this generator: a client that goes away aborts the chat stream's request.
-    async with aclosing(reply.body_iterator) as pieces:
+    async with aclosing(body) as pieces:
         async for piece in pieces:
             buffer += piece if isinstance(piece, str) else bytes(piece).decode()
             while "\n\n" in buffer:
@@ -45,7 +47,7 @@ async def chat_events(reply: StreamingResponse) -> AsyncIterator[dict[str, Any]]
 
 
 async def with_heartbeat(events: AsyncIterator[dict[str, Any]], interval_s: float
-                         ) -> AsyncIterator[dict[str, Any] | None]:
+                         ) -> AsyncGenerator[dict[str, Any] | None, None]:
     """`events`, with a None each `interval_s` that passes without one (a long prefill): the
     caller sends a keep-alive so that clients and proxies do not time the stream out."""
     pending: asyncio.Future[dict[str, Any]] | None = None

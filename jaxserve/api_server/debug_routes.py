@@ -15,24 +15,25 @@ import os
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from jaxserve.api_server.symptoms import diagnose
 from jaxserve.api_server.serving import ServingContext, error_response
+from jaxserve.api_server.symptoms import diagnose
 
 PAGE = os.path.join(os.path.dirname(__file__), "static", "debug.html")
 
 
-def add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
+def debug_router(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
     with open(PAGE, encoding="utf-8") as f:
         page = f.read()
 
-    @app.get("/debug", response_class=HTMLResponse, include_in_schema=False)
+    @router.get("/debug", response_class=HTMLResponse, include_in_schema=False)
     async def debug_page() -> HTMLResponse:
         return HTMLResponse(page)
 
-    @app.get("/debug/stats")
+    @router.get("/debug/stats")
     async def debug_stats() -> dict[str, Any]:
         live = ctx.metrics.live()
         return {"model": ctx.model_name, "tracing": ctx.traces.enabled,
@@ -42,11 +43,11 @@ def add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "requests_running": len(ctx.traces.running),
                 "boxes": boxes(live), "live": live}
 
-    @app.get("/debug/requests")
+    @router.get("/debug/requests")
     async def debug_requests() -> dict[str, Any]:
         return ctx.traces.listing()
 
-    @app.get("/debug/requests/{request_id}")
+    @router.get("/debug/requests/{request_id}")
     async def debug_request(request_id: str) -> Any:
         traces = ctx.traces.lookup(request_id)
         if not traces:
@@ -65,9 +66,11 @@ def add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
         events.sort(key=lambda e: (e["start"], e["end"]))
         return JSONResponse({"id": request_id, "events": events, "summary": {"prompts": summaries}})
 
-    @app.get("/debug/diagnose")
+    @router.get("/debug/diagnose")
     async def debug_diagnose() -> dict[str, Any]:
         return {"findings": diagnose(ctx.traces, ctx.metrics, ctx.facts)}
+
+    return router
 
 
 def boxes(live: dict[str, Any]) -> dict[str, dict[str, Any]]:

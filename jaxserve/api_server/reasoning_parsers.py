@@ -79,7 +79,8 @@ class GptOssReasoningParser(ReasoningParser):
         for message in harmony_messages(text, finished):
             part = self._part(message)
             if part is not None:  # a newline parts it from the part's earlier text
-                parts[part] = (parts[part] + "\n" if parts[part] else "") + message.body
+                earlier = parts[part]
+                parts[part] = (earlier + "\n" if earlier else "") + message.body
         return ReasoningSplit(parts["reasoning"], parts["content"] or "")
 
     @staticmethod

@@ -69,15 +69,15 @@ class StreamEvents:
                                      output_index=len(self.items), content_index=0,
                                      part={"type": "output_text", "text": "", "annotations": [],
                                            "logprobs": []}))
-        item = self.open
-        assert item is not None
-        item["content"][0]["text"] += text
+        current = self.open
+        assert current is not None
+        current["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {}
         if kind == "message":
             extra = {"logprobs": logprobs or []}
-            item["content"][0]["logprobs"] += extra["logprobs"]
-        out.append(self.emit(name, item_id=item["id"], output_index=len(self.items),
+            current["content"][0]["logprobs"] += extra["logprobs"]
+        out.append(self.emit(name, item_id=current["id"], output_index=len(self.items),
                              content_index=0, delta=text, **extra))
         return out
 
@@ -254,7 +254,8 @@ def chat_tools(tools: list[dict[str, Any]] | None, choice: Any
     names = ToolNames([(ns, fn["name"]) for ns, fn in functions])
     out = []
     for ns, fn in functions:
-        spec = {k: fn[k] for k in ("description", "parameters", "strict") if k in fn}
+        spec: dict[str, Any] = {k: fn[k] for k in ("description", "parameters", "strict")
+                                if k in fn}
         out.append({"type": "function",
                     "function": {"name": names.chat_name(ns, fn["name"]), **spec}})
     if skipped:

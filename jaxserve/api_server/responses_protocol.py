@@ -62,11 +62,14 @@ class ResponseUsage(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
+
+
 class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
+    status: ResponseStatus
     model: str
     output: list[dict[str, Any]] = Field(default_factory=list)
     usage: ResponseUsage | None = None

@@ -20,16 +20,17 @@ import uvicorn
 
 from jaxserve.api_server.app import build_app
 from jaxserve.api_server.server_args import ServerArgs
-from jaxserve.api_server.symptoms import ServerFacts
-from jaxserve.engine.dp_client import DPEngineClient
-from jaxserve.engine.core_client import EngineClient, EngineStartupError
-from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
 from jaxserve.api_server.serving import ServingContext
-from jaxserve.metrics.trace_store import TraceStore
+from jaxserve.api_server.symptoms import ServerFacts
 from jaxserve.config import EngineConfig
-from jaxserve.engine.messages import new_ipc_addresses
+from jaxserve.engine.core_client import AsyncMPClient, EngineStartupError
 from jaxserve.engine.core_process import launch_engine_core
+from jaxserve.engine.dp_client import DPLBAsyncMPClient
 from jaxserve.engine.front_end import load_front_end
+from jaxserve.engine.messages import new_ipc_addresses
+from jaxserve.engine.protocol import EngineClient
+from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.models.model_files import release_gguf_readers
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -61,15 +62,15 @@ async def run_server(args: ServerArgs, config: EngineConfig,
         exporter = OtlpTraceExporter(args.otlp_traces_endpoint, names[0])
     traces = TraceStore(enabled=config.request_tracing, exporter=exporter)
     log_level = logging.getLogger().getEffectiveLevel()
-    clients: list[EngineClient] = []
+    clients: list[AsyncMPClient] = []
     try:
         for rank in range(config.parallel_config.data_parallel_size):
             input_address, output_address = new_ipc_addresses()
             process = launch_engine_core(config, eos, input_address, output_address, log_level, rank)
-            clients.append(EngineClient(tokenizer, process, input_address, output_address, metrics,
-                                        rank, traces))
+            clients.append(AsyncMPClient(tokenizer, process, input_address, output_address, metrics,
+                                         rank, traces))
             logger.info("engine core process %d (pid %d) is loading %s", rank, process.pid, files.path)
-        client = clients[0] if len(clients) == 1 else DPEngineClient(clients)
+        client: EngineClient = clients[0] if len(clients) == 1 else DPLBAsyncMPClient(clients)
         try:
             ready = await client.wait_until_ready()
         except EngineStartupError as e:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,9 +22,6 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 
 from jaxserve.api_server.chat_tools import template_message
-from jaxserve.api_server.symptoms import ServerFacts
-from jaxserve.engine.dp_client import DPEngineClient
-from jaxserve.engine.core_client import EngineClient, EngineDeadError, RequestRejectedError
 from jaxserve.api_server.protocol import (
     ChatMessage,
     ErrorInfo,
@@ -33,12 +30,15 @@ from jaxserve.api_server.protocol import (
     PromptTokensDetails,
     SamplingRequestFields,
 )
+from jaxserve.api_server.symptoms import ServerFacts
+from jaxserve.engine.core_client import EngineDeadError, RequestRejectedError
+from jaxserve.engine.processor import InvalidInputError, Processor
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.metrics.prometheus import ServerMetrics
 from jaxserve.metrics.trace_store import TraceStore
-from jaxserve.engine.processor import InvalidInputError, Processor
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
+from jaxserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger("jaxserve.api_server")
@@ -121,7 +121,7 @@ def longest_token_chars(tokenizer: Any) -> int:
 class ServingContext:
     """Everything the endpoints need to know about the served model."""
 
-    client: EngineClient | DPEngineClient
+    client: EngineClient
     tokenizer: Any  # None: --skip-tokenizer-init (token-id prompts only, no text out)
     served_model_names: list[str]
     # The request checks shared with the offline LLM (FrontEnd.processor,
@@ -414,7 +414,7 @@ def prompt_logprobs_info(asked: int | None, res: RequestOutput
 
 
 async def merge_async_iterators(*iterators: AsyncGenerator[T, None]
-                                ) -> AsyncIterator[tuple[int, T]]:
+                                ) -> AsyncGenerator[tuple[int, T], None]:
     """Yield (index, item) from several async generators as items arrive.
     Closing this generator closes (so aborts) every one of them."""
     if len(iterators) == 1:
@@ -422,7 +422,7 @@ async def merge_async_iterators(*iterators: AsyncGenerator[T, None]
             async for item in it:
                 yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, T | BaseException] | None] = asyncio.Queue()
 
     async def drain(i: int, it: AsyncGenerator[T, None]) -> None:
         try:
@@ -437,13 +437,14 @@ async def merge_async_iterators(*iterators: AsyncGenerator[T, None]
     try:
         remaining = len(tasks)
         while remaining:
-            item = await queue.get()
-            if item is None:
+            entry = await queue.get()
+            if entry is None:
                 remaining -= 1
                 continue
-            if isinstance(item[1], BaseException):
-                raise item[1]
-            yield item  # type: ignore[misc]
+            i, value = entry
+            if isinstance(value, BaseException):
+                raise value
+            yield i, value
     finally:
         for t in tasks:
             t.cancel()

@@ -264,7 +264,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
     content = []
     for tid, entry in zip(token_ids, logprobs):
         top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top),
-                     key=lambda p: p[1].rank)
+                     key=lambda p: p[1].rank or 0)  # every rank here is set
         token = logprob_token(tid, entry[tid], as_ids)
         content.append(ChatCompletionLogProbsContent(
             token=token, logprob=clamp_logprob(entry[tid].logprob), bytes=list(token.encode()),

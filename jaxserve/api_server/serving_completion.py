@@ -34,7 +34,6 @@ from jaxserve.api_server.serving import (
 )
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 
-
 # A request fans out into prompts x n engine sequences; bound it (one request must not be
 # able to fill the engine's queues for everyone).
 MAX_PROMPTS = 128

@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import aclosing
 from http import HTTPStatus
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from fastapi.responses import Response
@@ -32,10 +32,16 @@ from jaxserve.api_server.serving import (
     ServingContext,
     merge_async_iterators,
 )
-from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS, InvalidInputError
+from jaxserve.engine.processor import InvalidInputError
 from jaxserve.outputs import EmbeddingRequestOutput
 
 
+@overload
+def encode_vector(vector: list[float], encoding_format: str, embed_dtype: str = ...,
+                  endianness: str = ...) -> list[float] | str: ...
+@overload
+def encode_vector(vector: list[list[float]], encoding_format: str, embed_dtype: str = ...,
+                  endianness: str = ...) -> list[list[float]] | str: ...
 def encode_vector(vector: list[float] | list[list[float]], encoding_format: str,
                   embed_dtype: str = "float32", endianness: str = "native"
                   ) -> list[float] | list[list[float]] | str:
@@ -107,10 +113,9 @@ class OpenAIServingEmbedding:
         gens = []
         for i, ids in enumerate(inputs):
             rid = f"{request_id}-{i}"
-            gens.append(ctx.client.generate(
-                rid, None, ids, POOLING_SAMPLING_PARAMS, priority=priority,
-                arrival_time=arrival, trace=ctx.start_trace(rid, received, spans),
-                pooling_params=params))
+            gens.append(ctx.client.encode(
+                rid, ids, params, priority=priority, arrival_time=arrival,
+                trace=ctx.start_trace(rid, received, spans)))
         final: list[Any] = [None] * len(inputs)
         async with aclosing(merge_async_iterators(*gens)) as results:
             async for i, res in results:
@@ -148,12 +153,13 @@ class OpenAIServingEmbedding:
                                           add_special_tokens=False)
             return [self.ctx.truncate(ids, keep, side)]
         raw = request.input
-        if isinstance(raw, str):
-            raw = [raw]
-        if isinstance(raw[0], int):
-            raw = [raw]
+        assert raw is not None  # exactly one of input and messages (checked above)
+        # Any: one text, texts, one token-id prompt or several, told apart here.
+        items: list[Any] = [raw] if isinstance(raw, str) else raw
+        if isinstance(items[0], int):
+            items = [items]
         out = []
-        for item in raw:
+        for item in items:
             if isinstance(item, str):
                 ids = await self.ctx.tokenize(item, "input",
                                               truncating=request.truncate_prompt_tokens is not None,

@@ -65,7 +65,7 @@ class AnthropicServingMessages:
             assert isinstance(reply, StreamingResponse)
             return StreamingResponse(self._stream(request, message_id, reply),
                                      media_type="text/event-stream")
-        body = json.loads(reply.body)
+        body = json.loads(bytes(reply.body))
         choice = body["choices"][0]
         if choice.get("finish_reason") == "error":  # the grammar could not go on
             raise OpenAIError(str(choice.get("stop_reason") or "generation failed"))
@@ -233,7 +233,9 @@ def conversation(messages: list[MessageParam]) -> list[dict[str, Any]]:
     unanswered: dict[str, int] = {}  # tool_use id -> the message that made it
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        # Any: the blocks are the client's JSON, checked one by one below.
+        blocks: list[Any] = ([{"type": "text", "text": m.content}] if isinstance(m.content, str)
+                             else m.content)
         if m.role == "system":
             # Into the user turn beside it, not a chat system message: many chat templates
             # (Qwen3's, ...) refuse a system message anywhere but first.
@@ -279,7 +281,7 @@ def conversation(messages: list[MessageParam]) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[dict[str, Any]], where: str, unanswered: dict[str, int]
+def _assistant(blocks: list[Any], where: str, unanswered: dict[str, int]
                ) -> dict[str, Any]:
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(blocks):

@@ -38,7 +38,12 @@ from jaxserve.api_server.responses_items import (
     output_items,
     response_format,
 )
-from jaxserve.api_server.responses_protocol import ResponseObject, ResponsesRequest, ResponseUsage
+from jaxserve.api_server.responses_protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+)
 from jaxserve.api_server.serving import OpenAIError, error_from_exception
 from jaxserve.api_server.serving_chat import OpenAIServingChat
 
@@ -126,7 +131,7 @@ class OpenAIServingResponses:
         if request.stream:
             assert isinstance(reply, StreamingResponse)
             return StreamingResponse(run.stream(reply), media_type="text/event-stream")
-        obj = await run.finish_whole(json.loads(reply.body))
+        obj = await run.finish_whole(json.loads(bytes(reply.body)))
         # json.dumps: echoed fields (tools, text, reasoning) may hold lone surrogates, which
         # it escapes and pydantic's JSON writer refuses.
         return Response(json.dumps(obj), media_type="application/json")
@@ -201,7 +206,8 @@ class OpenAIServingResponses:
                         output: list[dict[str, Any]], store: bool) -> dict[str, Any]:
         """The whole response object: its output items, status and usage."""
         finish = choice.get("finish_reason")
-        status, incomplete, error = "completed", None, None
+        status: ResponseStatus = "completed"
+        incomplete, error = None, None
         if finish is None:
             status = "in_progress"
         elif finish == "length":
@@ -289,7 +295,7 @@ class Run:
             stored.response = {**stored.response, "status": "in_progress"}
         try:
             reply = await self.serving.chat.create_chat_completion(chat, prompt_details=True)
-            await self.finish_whole(json.loads(reply.body))
+            await self.finish_whole(json.loads(bytes(reply.body)))
         except asyncio.CancelledError:
             obj = self._object({"finish_reason": None}, None, [])
             self._keep({**obj, "status": "cancelled"}, None)

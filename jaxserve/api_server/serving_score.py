@@ -15,6 +15,11 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
+from jaxserve.api_server.embedding_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+)
 from jaxserve.api_server.protocol import (
     INT32_MAX,
     Int64,
@@ -25,11 +30,6 @@ from jaxserve.api_server.protocol import (
     UsageInfo,
     WholeInt,
     random_uuid,
-)
-from jaxserve.api_server.embedding_protocol import (
-    ClassificationData,
-    ClassificationRequest,
-    ClassificationResponse,
 )
 from jaxserve.api_server.serving import OpenAIError
 from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding

@@ -20,11 +20,10 @@ re-serialized), so what a stream sent is always a prefix of the final arguments.
 
 from __future__ import annotations
 
-from typing import Any
-
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.api_server.harmony import harmony_messages
 
@@ -155,7 +154,7 @@ class ToolParser:
         if args_at is not None:
             _, end = _DECODER.raw_decode(text, args_at)
             return ParsedToolCall(obj["name"], text[args_at:end], True)
-        args = next((obj[k] for k in self.argument_keys if k in obj), {})
+        args: object = next((obj[k] for k in self.argument_keys if k in obj), {})
         return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False), True)
 
 

@@ -4,7 +4,7 @@ for nothing, and any other value is a 400 naming the field, never silently ignor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationInfo, create_model, field_validator
 
@@ -27,18 +27,24 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 
 
 def _refuse_unsupported(cls: type, value: Any, info: ValidationInfo) -> Any:
-    default = UNSUPPORTED_FIELDS[info.field_name]
+    name = info.field_name
+    assert name is not None  # a field validator always runs for a field
+    default = UNSUPPORTED_FIELDS[name]
     if value != default:
-        raise ValueError(f"{info.field_name} is not supported by jaxserve (only {default!r} "
-                         "is accepted)")
+        raise ValueError(f"{name} is not supported by jaxserve (only {default!r} is accepted)")
     return value
 
 
 # Declared fields (not extras) so that a refusal names its field as the error's param. Built
-# from the table above, so the names and defaults are written once.
-UnsupportedVllmFields: type[BaseModel] = create_model(
-    "UnsupportedVllmFields",
-    __validators__={"refuse_unsupported": field_validator(*UNSUPPORTED_FIELDS)(
-        classmethod(_refuse_unsupported))},
-    **{name: (Any, default) for name, default in UNSUPPORTED_FIELDS.items()},
-)
+# from the table above, so the names and defaults are written once; the type checker sees a
+# plain base model (it cannot follow a model built at run time).
+if TYPE_CHECKING:
+    class UnsupportedVllmFields(BaseModel):
+        pass
+else:
+    UnsupportedVllmFields = create_model(
+        "UnsupportedVllmFields",
+        __validators__={"refuse_unsupported": field_validator(*UNSUPPORTED_FIELDS)(
+            classmethod(_refuse_unsupported))},
+        **{name: (Any, default) for name, default in UNSUPPORTED_FIELDS.items()},
+    )

@@ -255,8 +255,8 @@ class EngineArgs:
         num_microbatches = pp if pp > 1 and async_scheduling else 1
         if num_microbatches > 1:
             async_scheduling = False
-        served = self.served_model_name
-        served = (served,) if isinstance(served, str) else tuple(served or ())
+        name = self.served_model_name
+        served = (name,) if isinstance(name, str) else tuple(name or ())
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
@@ -307,3 +307,25 @@ def make_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """`EngineArgs(model=model, **kwargs).create_engine_config()`, for code and tests that
     build a config from keywords."""
     return EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+
+
+def engine_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A command line of the engine (serve, preflight): the model as a positional argument
+    (`vllm serve MODEL`'s form); the caller adds its own flags, then the engine's."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the frozen EngineConfig from an engine_arg_parser's flags (raises ValueError
+    naming the bad flag's field)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    tag = getattr(args, "model_tag", None)  # MODEL, positional: the same setting as --model
+    if tag is not None:
+        if engine_args.model is not None and engine_args.model != tag:
+            raise ValueError(f"two models given: {tag!r} and --model {engine_args.model!r}")
+        engine_args = dataclasses.replace(engine_args, model=tag)
+    return engine_args.create_engine_config()

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.engine.resolve import resolve_engine_config
 from jaxserve.engine_core.core import EngineCore
 from jaxserve.engine_core.scheduler import Scheduler
 from jaxserve.engine_core.structured_output import StructuredOutputManager
 from jaxserve.models.model_files import release_gguf_readers, resolve_model
-from jaxserve.parallel.distributed import LeaderWorker, run_follower
 from jaxserve.models.tokenizer import load_tokenizer
+from jaxserve.parallel.distributed import LeaderWorker, run_follower
 from jaxserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,18 @@ class BuiltEngine:
     num_blocks: int
     timings: dict[str, float]
 
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """The settings resolution decided (always set on a built engine's config)."""
+        return resolved_of(self.config)
+
+
+def resolved_of(config: EngineConfig) -> ResolvedConfig:
+    """`config.resolved`, which resolve_engine_config sets; a bug if it did not run."""
+    if config.resolved is None:
+        raise RuntimeError("the engine config was not resolved (resolve_engine_config)")
+    return config.resolved
+
 
 def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     """Resolve, load, size, allocate and compile: every process of a multi-host engine does
@@ -44,10 +56,11 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
     logger.info("loaded %s (%s) in %.1f s: weights %.1f MiB (%s)", files.name, files.path,
                 worker.timings["load_s"], worker.weight_bytes / 2**20,
                 worker.weight_format.quantization or np.dtype(worker.dtype).name)
+    resolved = resolved_of(config)
     if config.model_config.quantization is None and worker.platform == "cpu":
-        logger.info("weights: %s", config.resolved.weight_format_reason)
-    if config.resolved.experts_weight_format_reason:
-        logger.info("experts: %s", config.resolved.experts_weight_format_reason)
+        logger.info("weights: %s", resolved.weight_format_reason)
+    if resolved.experts_weight_format_reason:
+        logger.info("experts: %s", resolved.experts_weight_format_reason)
     if worker.weight_matmul:
         logger.info("%s matmul: %s", worker.weight_format.quantization, worker.weight_matmul)
     num_blocks = worker.determine_num_blocks()
@@ -58,7 +71,7 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
         "KV cache: %d pages of %d tokens (%.2f GiB, %s values%s; %s)", num_blocks,
         cc.block_size, num_blocks * worker.page_bytes() / 2**30, layout.dtype,
         ", packed in int32 words" if layout.packed else "",
-        config.resolved.kv_cache_groups.describe(),
+        resolved.kv_cache_groups.describe(),
     )
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:
@@ -80,7 +93,7 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
         config.structured_outputs_config.disable_additional_properties)
     scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, eos_token_id,
                           structured, config.speculative_config,
-                          config.resolved.kv_cache_groups)
+                          resolved_of(config).kv_cache_groups)
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
     core = EngineCore(scheduler, executor, batch_queue_size=config.batch_queue_size,
                       request_tracing=config.request_tracing)

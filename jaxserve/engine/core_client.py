@@ -13,41 +13,41 @@ in-flight request gets an EngineDeadError and `on_dead` is called.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing.process
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from jaxserve.metrics.prometheus import RequestStateStats, ServerMetrics
-from jaxserve.metrics.trace_store import TraceStore
-from jaxserve.engine_core.core_outputs import EngineCoreOutput
-from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.step_trace import StepTrace
-from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineReady,
     RequestError,
-    UtilityCall,
-    UtilityResult,
     decode,
     encode,
     remove_ipc_files,
 )
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.processor import POOLING_SAMPLING_PARAMS
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.step_trace import StepTrace
+from jaxserve.engine_core.wire import decode_record, encode_record
+from jaxserve.metrics.prometheus import RequestStateStats, ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
+from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+OutputT = TypeVar("OutputT", RequestOutput, EmbeddingRequestOutput)
 
 
 class EngineDeadError(RuntimeError):
@@ -62,8 +62,9 @@ class EngineStartupError(RuntimeError):
     """The engine-core process failed before it was ready."""
 
 
-class EngineClient:
-    """Talks to one engine-core process; lives in the API server's event loop."""
+class AsyncMPClient:
+    """The EngineClient (jaxserve/engine/protocol.py) of one engine-core process (vLLM's
+    AsyncMPClient); lives in the API server's event loop."""
 
     def __init__(self, tokenizer: Any, process: multiprocessing.process.BaseProcess,
                  input_address: str, output_address: str, metrics: ServerMetrics | None = None,
@@ -86,11 +87,10 @@ class EngineClient:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | EmbeddingRequestOutput
+                                              | BaseException]] = {}
         self._children: dict[str, str] = {}  # engine request id -> request id
         self._req_stats: dict[str, RequestStateStats] = {}  # by engine request id
-        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self.ready: EngineReady | None = None
         self.dead_error: str | None = None
@@ -175,18 +175,35 @@ class EngineClient:
 
     # --- requests ---------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, *, priority: int = 0,
-                       arrival_time: float | None = None,
-                       trace: RequestTrace | None = None,
-                       pooling_params: PoolingParams | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's RequestOutput as it grows, the last one finished (with
-        `pooling_params`, an embedding request: one EmbeddingRequestOutput, finished).
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, *, priority: int = 0,
+                 arrival_time: float | None = None,
+                 trace: RequestTrace | None = None,
+                 ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutput as it grows, the last one finished.
 
         When several outputs arrived since the previous iteration, only the
         newest is yielded (outputs are cumulative). `trace`: the request's trace so far
         (TraceStore.new); the engine core and this client add to it."""
+        return self._stream(RequestOutput, request_id, prompt, prompt_token_ids, params,
+                            priority, arrival_time, trace, None)
+
+    def encode(self, request_id: str, prompt_token_ids: list[int],
+               pooling_params: PoolingParams, *, priority: int = 0,
+               arrival_time: float | None = None,
+               trace: RequestTrace | None = None,
+               ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """Yield the pooling request's one EmbeddingRequestOutput, finished."""
+        return self._stream(EmbeddingRequestOutput, request_id, None, prompt_token_ids,
+                            POOLING_SAMPLING_PARAMS, priority, arrival_time, trace,
+                            pooling_params)
+
+    async def _stream(self, kind: type[OutputT], request_id: str, prompt: str | None,
+                      prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                      arrival_time: float | None, trace: RequestTrace | None,
+                      pooling_params: PoolingParams | None) -> AsyncGenerator[OutputT, None]:
+        """generate / encode: the request's outputs, which are `kind` (EmbeddingRequestOutput
+        with `pooling_params`, else RequestOutput)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_error)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -197,7 +214,8 @@ class EngineClient:
         except BaseException:
             self.traces.finish(trace, "not sent")
             raise
-        finished, reason = False, "abort"
+        finished = False
+        reason: str | None = "abort"  # how it ended, for its trace (None: it finished)
         respond_s, first, last, n = 0.0, 0.0, 0.0, 0
         try:
             while True:
@@ -207,6 +225,9 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     finished, reason = True, f"error: {type(item).__name__}"
                     raise item  # nothing left in the engine to abort
+                if not isinstance(item, kind):  # a bug: outputs follow the request's kind
+                    raise TypeError(f"{request_id}: expected {kind.__name__}, got "
+                                    f"{type(item).__name__}")
                 finished = item.finished
                 # The time the consumer takes with each output (formatting, sending) is the
                 # API server's part of the response.
@@ -230,11 +251,12 @@ class EngineClient:
                      params: SamplingParams, priority: int, arrival_time: float,
                      trace: RequestTrace | None = None,
                      pooling_params: PoolingParams | None = None,
-                     ) -> asyncio.Queue[RequestOutput | BaseException]:
+                     ) -> asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException]:
         """Register the request and send it; nothing stays registered if either fails."""
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
                                                      trace, pooling_params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException] = \
+            asyncio.Queue()
         try:
             frame = encode(EngineCoreRequestType.ADD, [
                 encode_record(EngineCoreRequest(cid, prompt_token_ids, p, arrival_time, priority,
@@ -270,16 +292,6 @@ class EngineClient:
         if child_ids and self.is_alive:
             self._send(EngineCoreRequestType.ABORT, child_ids)
 
-    async def call_utility(self, method: str, *args: Any) -> Any:
-        """Call one of the engine process's utility methods (e.g. reset_prefix_cache)."""
-        if not self.is_alive:
-            raise EngineDeadError(self.dead_error)
-        call_id = next(self._call_ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = fut
-        self._send(EngineCoreRequestType.UTILITY, encode_record(UtilityCall(call_id, method, list(args))))
-        return await fut
-
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
@@ -300,11 +312,6 @@ class EngineClient:
                         error = (RequestRejectedError(e.message) if e.own_fault
                                  else RuntimeError(f"the engine core failed to add it: {e.message}"))
                         self._fail_request(self._children.get(e.req_id), error)
-                elif kind == EngineCoreMessageType.UTILITY_RESULT:
-                    r = decode_record(UtilityResult, payload)
-                    fut = self._utility_calls.pop(r.call_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_exception(RuntimeError(r.error)) if r.error else fut.set_result(r.result)
                 elif kind == EngineCoreMessageType.ENGINE_ERROR:
                     self._mark_dead(f"engine core failed: {payload}")
                 else:
@@ -370,8 +377,5 @@ class EngineClient:
         self.dead_error = reason
         logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
         self.fail_in_flight(reason)
-        for fut in self._utility_calls.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)

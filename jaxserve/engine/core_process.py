@@ -20,27 +20,24 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from jaxserve.config import EngineConfig, ParallelConfig
-from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
-from jaxserve.engine_core.core_outputs import EngineCoreOutput
-from jaxserve.engine_core.request import InvalidRequestError, Request
-from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineReady,
     RequestError,
-    UtilityCall,
-    UtilityResult,
     decode,
     encode,
 )
+from jaxserve.engine_core.core import EngineCore, freeze_gc_heap
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.request import InvalidRequestError, Request
+from jaxserve.engine_core.wire import encode_record
 
 logger = logging.getLogger("jaxserve.engine_core")
 
@@ -61,10 +58,6 @@ class EngineCoreProc:
         self.poller.register(input_socket, zmq.POLLIN)
         # Scheduler stats changed since they were last sent (requests came or went).
         self.stats_dirty = False
-        self.utilities: dict[str, Callable[..., Any]] = {
-            "reset_prefix_cache": core.scheduler.reset_prefix_cache,
-            "ping": lambda: "pong",
-        }
 
     def run_busy_loop(self) -> None:
         """Serve until told to shut down or the parent goes away."""
@@ -133,14 +126,6 @@ class EngineCoreProc:
                 self.output_socket.send(encode(EngineCoreMessageType.REQUEST_ERRORS, errors))
         elif kind == EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
-        elif kind == EngineCoreRequestType.UTILITY:
-            call = decode_record(UtilityCall, payload)
-            reply = UtilityResult(call.call_id, None)
-            try:
-                reply.result = self.utilities[call.method](*call.args)
-            except Exception as e:  # noqa: BLE001 - reported to the caller
-                reply.error = f"{type(e).__name__}: {e}"
-            self.output_socket.send(encode(EngineCoreMessageType.UTILITY_RESULT, encode_record(reply)))
         else:
             logger.error("unknown message type %r", kind)
 
@@ -179,7 +164,7 @@ def run_engine_core(config: EngineConfig, eos_token_id: int | None, input_addres
         ready = EngineReady(
             num_blocks=built.num_blocks, block_size=built.config.cache_config.block_size,
             vocab_size=built.worker.arch.vocab_size, max_num_seqs=sc.max_num_seqs,
-            timings=built.timings, resolved=built.config.resolved,
+            timings=built.timings, resolved=built.resolved,
         )
     except Exception as e:  # noqa: BLE001 - reported to the API server, then exit
         logger.error("engine core failed to start:\n%s", traceback.format_exc())

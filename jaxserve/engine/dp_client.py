@@ -4,26 +4,29 @@ Each rank has its own devices, KV cache and scheduler; the API server sends a
 new request to the rank with the fewest requests in flight, and everything about
 that request (outputs, abort) stays with its rank.
 
-    API server ──▶ DPEngineClient ──▶ EngineClient[0] ──▶ engine core rank 0
-                                  └─▶ EngineClient[1] ──▶ engine core rank 1
+    API server ──▶ DPLBAsyncMPClient ──▶ AsyncMPClient[0] ──▶ engine core rank 0
+                                     └─▶ AsyncMPClient[1] ──▶ engine core rank 1
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from contextlib import aclosing
 
-from jaxserve.engine.core_client import EngineClient, EngineDeadError
+from jaxserve.engine.core_client import AsyncMPClient, EngineDeadError
 from jaxserve.engine.messages import EngineReady
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.request_trace import RequestTrace
 from jaxserve.sampling_params import SamplingParams
 
 
-class DPEngineClient:
-    """The EngineClient interface over several data-parallel engine cores."""
+class DPLBAsyncMPClient:
+    """The EngineClient (jaxserve/engine/protocol.py) over several data-parallel engine
+    cores, load-balanced here (vLLM's DPLBAsyncMPClient)."""
 
-    def __init__(self, clients: list[EngineClient]) -> None:
+    def __init__(self, clients: list[AsyncMPClient]) -> None:
         self.clients = clients
         self.routed = [0] * len(clients)  # requests sent to each rank
 
@@ -64,9 +67,8 @@ class DPEngineClient:
     def num_in_flight(self) -> int:
         return sum(c.num_in_flight for c in self.clients)
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, **kw: Any) -> AsyncGenerator[RequestOutput, None]:
-        """Route to the least-loaded rank (ties: the lowest rank).
+    def _route(self) -> AsyncMPClient:
+        """The least-loaded rank's client (ties: the lowest rank).
 
         NOTE: the rank is chosen when iteration starts, and the rank's client
         registers the request before its first await, so concurrent requests see
@@ -76,15 +78,31 @@ class DPEngineClient:
             raise EngineDeadError(self.dead_error)
         rank = min(range(len(self.clients)), key=lambda i: self.clients[i].num_in_flight)
         self.routed[rank] += 1
-        if self.clients[rank].metrics is not None:
-            self.clients[rank].metrics.record_routed(rank)
-        gen = self.clients[rank].generate(request_id, prompt, prompt_token_ids, params, **kw)
-        try:
+        client = self.clients[rank]
+        if client.metrics is not None:
+            client.metrics.record_routed(rank)
+        return client
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, *, priority: int = 0,
+                       arrival_time: float | None = None,
+                       trace: RequestTrace | None = None,
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """AsyncMPClient.generate on the least-loaded rank."""
+        gen = self._route().generate(request_id, prompt, prompt_token_ids, params,
+                                     priority=priority, arrival_time=arrival_time, trace=trace)
+        async with aclosing(gen):  # a consumer that stops early aborts the request there
             async for out in gen:
                 yield out
-        finally:
-            await gen.aclose()  # a consumer that stops early aborts the request there
 
-    async def call_utility(self, method: str, *args: Any) -> list[Any]:
-        """Call a utility on every rank; returns their answers in rank order."""
-        return list(await asyncio.gather(*(c.call_utility(method, *args) for c in self.clients)))
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     pooling_params: PoolingParams, *, priority: int = 0,
+                     arrival_time: float | None = None,
+                     trace: RequestTrace | None = None,
+                     ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """AsyncMPClient.encode on the least-loaded rank."""
+        gen = self._route().encode(request_id, prompt_token_ids, pooling_params,
+                                   priority=priority, arrival_time=arrival_time, trace=trace)
+        async with aclosing(gen):  # a consumer that stops early aborts the request there
+            async for out in gen:
+                yield out

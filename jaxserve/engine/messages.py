@@ -2,8 +2,8 @@
 
 Two PUSH/PULL pairs, both bound by the API server (it outlives the engine):
 
-    API server  PUSH ──[ADD | ABORT | UTILITY]──────────────────▶ PULL  engine core
-    API server  PULL ◀─[READY | OUTPUTS | UTILITY_RESULT | ...]── PUSH  engine core
+    API server  PUSH ──[ADD | ABORT | SHUTDOWN]─────────▶ PULL  engine core
+    API server  PULL ◀─[READY | OUTPUTS | ...]────────── PUSH  engine core
 
 Every frame is `msgpack([type, payload])`, made only of lists, dicts, str,
 int, float and None. JAX-free: both processes import it.
@@ -33,7 +33,6 @@ class EngineCoreRequestType(enum.IntEnum):
 
     ADD = 0  # payload: [encode_record(EngineCoreRequest), ...] (jaxserve/engine_core/wire.py)
     ABORT = 1  # payload: [engine request id, ...]
-    UTILITY = 2  # payload: encode_record(UtilityCall)
     SHUTDOWN = 3  # payload: None; the engine core leaves its loop and exits
 
 
@@ -44,7 +43,6 @@ class EngineCoreMessageType(enum.IntEnum):
     # payload: {"outputs": [encode_record(EngineCoreOutput, steps)],
     #           "steps": {step: encode_record(StepTrace)}, "stats": encode_record(SchedulerStats)}
     OUTPUTS = 1
-    UTILITY_RESULT = 2  # payload: encode_record(UtilityResult)
     REQUEST_ERRORS = 3  # payload: [encode_record(RequestError), ...]: requests ADD refused
     STARTUP_FAILED = 4  # payload: error message; the process exits next
     ENGINE_ERROR = 5  # payload: error message; the process exits next
@@ -92,22 +90,6 @@ class EngineReady:
 
 
 @dataclass
-class UtilityCall:
-    """A call of one of the engine core's utility methods (e.g. reset_prefix_cache)."""
-
-    call_id: int
-    method: str
-    args: list[Any]
-
-
-@dataclass
-class UtilityResult:
-    call_id: int
-    result: Any
-    error: str | None = None  # "ExceptionType: message" when the call raised
-
-
-@dataclass
 class RequestError:
     """A request the engine core could not add."""
 
@@ -126,7 +108,7 @@ def decode(frame: bytes) -> tuple[int, Any]:
 
 
 # The ipc socket files this process created and has not removed yet. Removed by whoever
-# closes the sockets (EngineClient.shutdown), else at interpreter exit: a server that ends
+# closes the sockets (AsyncMPClient.shutdown), else at interpreter exit: a server that ends
 # through an exception, a signal or a failed start-up leaves nothing in the temp folder.
 # Path -> the creating pid: a forked child inherits the table but not the files.
 _owned_ipc_files: dict[str, int] = {}

@@ -20,11 +20,19 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
-from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                              FinishReason, Logprob, RequestMetrics, RequestOutput)
+from jaxserve.engine_core.model_runner_output import LogprobsLists
+from jaxserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    FinishReason,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.request_trace import RequestTrace
+from jaxserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -149,7 +157,7 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 # Every sequence of an n > 1 request brings the same rows: keep the first.
-                state.prompt_logprobs = [None] + self._logprob_entries(out.prompt_logprobs)
+                state.prompt_logprobs = [None, *self._logprob_entries(out.prompt_logprobs)]
             if out.pooling_output is not None:
                 state.embedding = out.pooling_output
             if self._append(seq, out):
@@ -178,7 +186,9 @@ class OutputProcessor:
         for i, tok in enumerate(out.new_token_ids):
             seq.token_ids.append(tok)
             if out.new_logprobs is not None and seq.logprobs is not None:
-                self._append_logprobs(seq, out, i)
+                seq.logprobs.append(self._logprob_entry(out.new_logprobs, i))
+                seq.cumulative_logprob = ((seq.cumulative_logprob or 0.0)
+                                          + out.new_logprobs.logprobs[i][0])
             # The final EOS/stop token is not text (vLLM drops it from the output text).
             is_last_stop = out.finish_reason == FinishReason.STOP and i == len(out.new_token_ids) - 1 \
                 and isinstance(out.stop_reason, int | type(None))
@@ -197,7 +207,7 @@ class OutputProcessor:
 
     @staticmethod
     def _check_stop_strings(seq: _Sequence, search_from: int) -> bool:
-        for stop in seq.params.stop:
+        for stop in seq.params.stop or ():
             idx = seq.text.find(stop, search_from)
             if idx != -1:
                 end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
@@ -217,15 +227,13 @@ class OutputProcessor:
                 entry[t] = Logprob(v, r, decode(t))
         return entry
 
-    def _logprob_entries(self, lp: Any) -> list[dict[int, Logprob] | None]:
+    def _logprob_entries(self, lp: LogprobsLists) -> list[dict[int, Logprob] | None]:
         return [self._entry(ids, vals, rank) for ids, vals, rank
                 in zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks)]
 
-    def _append_logprobs(self, seq: _Sequence, out: EngineCoreOutput, i: int) -> None:
-        lp = out.new_logprobs
-        ids, vals, rank = lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i]
-        seq.logprobs.append(self._entry(ids, vals, rank))
-        seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + vals[0]
+    def _logprob_entry(self, lp: LogprobsLists, i: int) -> dict[int, Logprob]:
+        """Row `i` of a step's logprobs (the sequence's i-th new token)."""
+        return self._entry(lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i])
 
     @staticmethod
     def _trace_output(trace: RequestTrace, seq: _Sequence, out: EngineCoreOutput,

@@ -9,7 +9,7 @@ engine); what a field may hold on its own is `SamplingParams`' to say. A refusal
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +134,10 @@ class Processor:
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """`params` checked against the model, with the model's EOS ids added."""
         vocab = self.vocab_size
-        if bad := out_of_vocab([tok for tok, _ in params.logit_bias], vocab):
+        # Stored as (token, bias) pairs (SamplingParams.__post_init__); typed as given.
+        bias = params.logit_bias or ()
+        bias_tokens = list(bias) if isinstance(bias, Mapping) else [int(p[0]) for p in bias]
+        if bad := out_of_vocab(bias_tokens, vocab):
             raise InvalidInputError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token "
                                     f"ids: keys must be token ids in [0, {vocab})", "logit_bias")
         if params.top_k > vocab:
@@ -146,7 +149,7 @@ class Processor:
                                         f"they must be in [0, {vocab})", name)
         if params.bad_words and not params.bad_words_token_ids:
             params = self._tokenize_bad_words(params)
-        if bad := out_of_vocab([t for s in params.bad_words_token_ids for t in s], vocab):
+        if bad := out_of_vocab([t for s in params.bad_words_token_ids or () for t in s], vocab):
             raise InvalidInputError(f"bad_words_token_ids contain out-of-vocab token id(s) {bad}: "
                                     f"they must be in [0, {vocab})", "bad_words")
         for name in ("logprobs", "prompt_logprobs"):
@@ -163,7 +166,7 @@ class Processor:
         if self.encode is None:
             raise InvalidInputError("bad_words need the served tokenizer", "bad_words")
         seqs: list[tuple[int, ...]] = []
-        for word in params.bad_words:
+        for word in params.bad_words or ():
             bare = tuple(self.encode(word.lstrip()))
             spaced = tuple(self.encode(" " + word.lstrip()))
             for ids in (bare, *([spaced] if spaced and bare and len(spaced) == len(bare)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +106,7 @@ class ServerMetrics:
             return _PerEngine(Counter(PREFIX + name, doc, labels, registry=r), model_name,
                               num_engines)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> _PerEngine:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> _PerEngine:
             return _PerEngine(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r),
                               model_name, num_engines)
 
@@ -215,15 +216,15 @@ class ServerMetrics:
 
     def record_output(self, s: RequestStateStats, out: EngineCoreOutput, now: float) -> None:
         """One engine output of the request whose stats are `s`."""
-        for e in out.events or ():
-            if e.type == EngineCoreEventType.QUEUED and not s.queued_ts:
-                s.queued_ts = e.timestamp
-            elif e.type == EngineCoreEventType.SCHEDULED and not s.scheduled_ts:
-                s.scheduled_ts = e.timestamp
-            elif e.type == EngineCoreEventType.FIRST_TOKEN and not s.first_token_ts:
-                s.first_token_ts = e.timestamp
-            elif e.type == EngineCoreEventType.FINISHED:
-                s.finished_ts = e.timestamp
+        for event in out.events or ():
+            if event.type == EngineCoreEventType.QUEUED and not s.queued_ts:
+                s.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED and not s.scheduled_ts:
+                s.scheduled_ts = event.timestamp
+            elif event.type == EngineCoreEventType.FIRST_TOKEN and not s.first_token_ts:
+                s.first_token_ts = event.timestamp
+            elif event.type == EngineCoreEventType.FINISHED:
+                s.finished_ts = event.timestamp
         n, e = len(out.new_token_ids), s.engine
         if out.pooling_output is not None:  # a pooling request: its prompt, no tokens
             self.prompt_tokens[e].inc(s.num_prompt_tokens)

@@ -73,7 +73,7 @@ def _patch_api_server() -> None:
         async def wait_until_ready(self: Any) -> Any:
             raise InjectedFault("injected API server failure")
 
-        server.EngineClient.wait_until_ready = wait_until_ready
+        server.AsyncMPClient.wait_until_ready = wait_until_ready
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ import msgpack
 import pytest
 from prometheus_client import generate_latest
 
-from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
+from jaxserve.api_server.server_args import json_list, read_chat_template
+from jaxserve.engine.arg_utils import engine_config_from_args, human_readable_int
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.wire import decode_record, encode_record
+from jaxserve.metrics.prometheus import LoggingStatLogger, ServerMetrics
 from jaxserve.models.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from jaxserve.engine.arg_utils import human_readable_int
-from jaxserve.api_server.server_args import json_list, read_chat_template
-from jaxserve.serve import engine_config_from_args, make_arg_parser
+from jaxserve.serve import make_arg_parser
 
 from .server_utils import ROOT
 

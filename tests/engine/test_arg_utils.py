@@ -50,7 +50,8 @@ def test_every_command_line_takes_every_engine_flag_with_its_default(command: st
 
 
 def test_flags_parse_to_the_config_under_vllms_names() -> None:
-    from jaxserve.serve import engine_config_from_args, make_arg_parser
+    from jaxserve.engine.arg_utils import engine_config_from_args
+    from jaxserve.serve import make_arg_parser
 
     args = make_arg_parser().parse_args(
         ["-tp", "2", "--max-num-batched-tokens", "2k", "--no-enable-prefix-caching",

@@ -15,27 +15,24 @@ import pytest
 import zmq
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.engine_core.core import EngineCore
-from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
-from jaxserve.engine_core.core_outputs import EngineCoreOutput
-from jaxserve.engine_core.request import InvalidRequestError
-from jaxserve.engine_core.sched_output import SchedulerOutput
-from jaxserve.engine_core.scheduler import Scheduler
-from jaxserve.engine_core.stats import SchedulerStats
-from jaxserve.engine_core.wire import decode_record, encode_record
+from jaxserve.engine.core_process import EngineCoreProc
 from jaxserve.engine.messages import (
     EngineCoreMessageType,
     EngineCoreRequest,
     EngineCoreRequestType,
     RequestError,
-    UtilityCall,
-    UtilityResult,
     decode,
     encode,
 )
-from jaxserve.engine.core_process import EngineCoreProc
+from jaxserve.engine_core.core import EngineCore
+from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
+from jaxserve.engine_core.request import InvalidRequestError
+from jaxserve.engine_core.sched_output import SchedulerOutput
+from jaxserve.engine_core.scheduler import Scheduler
+from jaxserve.engine_core.stats import SchedulerStats
+from jaxserve.engine_core.wire import decode_record, encode_record
 from jaxserve.sampling_params import SamplingParams
-
 from tests.api_server.server_utils import ROOT
 
 TOKEN = 7
@@ -135,20 +132,6 @@ def test_abort_frees_pages_and_bad_requests_are_reported(engine) -> None:
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
 
 
-def test_utility_calls(engine) -> None:
-    send, recv, _ = engine
-    def call(call_id: int, method: str) -> UtilityResult:
-        send(EngineCoreRequestType.UTILITY, encode_record(UtilityCall(call_id, method, [])))
-        kind, payload = recv()
-        assert kind == EngineCoreMessageType.UTILITY_RESULT
-        return decode_record(UtilityResult, payload)
-
-    assert call(1, "ping") == UtilityResult(1, "pong")
-    assert call(2, "reset_prefix_cache") == UtilityResult(2, True)
-    r = call(3, "no_such_method")
-    assert r.call_id == 3 and r.result is None and "no_such_method" in r.error
-
-
 def test_request_round_trips_through_msgpack() -> None:
     params = SamplingParams(n=1, temperature=0.5, stop=["x", "yz"], stop_token_ids=[3], seed=9,
                             logprobs=2, top_k=5)
@@ -173,7 +156,8 @@ def test_api_server_imports_without_jax() -> None:
         "import sys\n"
         "import jaxserve.api_server.app, jaxserve.api_server.server, jaxserve.engine.core_process\n"
         "import jaxserve.bench.online\n"
-        "from jaxserve.serve import make_arg_parser, engine_config_from_args\n"
+        "from jaxserve.engine.arg_utils import engine_config_from_args\n"
+        "from jaxserve.serve import make_arg_parser\n"
         "engine_config_from_args(make_arg_parser().parse_args(['--max-model-len', '512']))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'jax', 'jaxlib', 'flax'})\n"
         "assert not bad, bad\n"

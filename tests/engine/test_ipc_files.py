@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from jaxserve.engine.core_client import EngineClient
+from jaxserve.engine.core_client import AsyncMPClient
 from jaxserve.engine.messages import new_ipc_addresses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +28,7 @@ def test_shutdown_removes_the_files_when_the_engine_process_no_longer_listens() 
     proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
     proc.start()
     addresses = new_ipc_addresses()
-    client = EngineClient(None, proc, *addresses)
+    client = AsyncMPClient(None, proc, *addresses)
     assert len(_files(*addresses)) == 2
 
     async def twice() -> None:
@@ -44,12 +44,12 @@ def test_files_are_removed_at_exit_when_nothing_shut_the_client_down(tmp_path) -
     # An exception that escapes before any cleanup: the atexit hook removes them.
     code = (
         "import multiprocessing, time\n"
-        "from jaxserve.engine.core_client import EngineClient\n"
+        "from jaxserve.engine.core_client import AsyncMPClient\n"
         "from jaxserve.engine.messages import new_ipc_addresses\n"
         "if __name__ == '__main__':\n"
         "    p = multiprocessing.get_context('spawn').Process(target=time.sleep, args=(60,), daemon=True)\n"
         "    p.start()\n"
-        "    client = EngineClient(None, p, *new_ipc_addresses())\n"
+        "    client = AsyncMPClient(None, p, *new_ipc_addresses())\n"
         "    print('bound', flush=True)\n"
         "    raise RuntimeError('a bug in the API server')\n"
     )

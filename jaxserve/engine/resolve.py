@@ -20,15 +20,22 @@ import jax
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
 from jaxserve.classifier import ClassifierConfig, is_classifier_architecture
-from jaxserve.config import (CPU_AUTO_BF16_ENV, EngineConfig, KVCacheDtype, ModelConfig, ParallelConfig,
-                             ResolvedConfig, WeightFormat)
+from jaxserve.config import (
+    CPU_AUTO_BF16_ENV,
+    EngineConfig,
+    KVCacheDtype,
+    ModelConfig,
+    ParallelConfig,
+    ResolvedConfig,
+    WeightFormat,
+)
 from jaxserve.kv_cache_spec import KVCacheGroups
 from jaxserve.models import ArchConfig, checkpoint_quant
-from jaxserve.models.loaders.weights import projection_shapes
 from jaxserve.models.loaders import read_arch
+from jaxserve.models.loaders.weights import projection_shapes
+from jaxserve.models.model_files import ModelFiles, ModelFormat, read_hf_config, resolve_model
 from jaxserve.models.moe import check_experts_split
 from jaxserve.models.quantization import check_experts
-from jaxserve.models.model_files import ModelFiles, ModelFormat, read_hf_config, resolve_model
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.pipeline import split_layers
 from jaxserve.parallel.sharding import head_layout
@@ -84,10 +91,11 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
     weight_format, group_size, act_order = WeightFormat.of(quantization), None, False
     stored = resolve_checkpoint_format(files, arch, mc.quantization, platform, tp,
                                        cpu_bf16=quantization == "bf16")
-    if stored is not None and stored[0] is not None:
-        (weight_format, group_size, act_order), reason = stored
+    if stored is not None and stored.weight_format is not None:
+        weight_format, group_size, act_order = stored.weight_format, stored.group_size, stored.act_order
+        reason = stored.reason
     elif stored is not None:
-        reason = f"{reason}; {stored[1]}"
+        reason = f"{reason}; {stored.reason}"
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
     refuse_contradictions(arch, weight_format, pc)
@@ -202,14 +210,25 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
                     "--no-cpu-auto-bf16 or --dtype float32 keeps float32)")
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointFormat:
+    """How a checkpoint stored quantized is served (`resolve_checkpoint_format`)."""
+
+    # The format that keeps its stored width; None: its weights are dequantized at load into
+    # the format --quantization and the platform pick.
+    weight_format: WeightFormat | None
+    reason: str  # why, for the start-up log
+    group_size: int | None = None  # its inputs per scale (None: one scale per channel)
+    act_order: bool = False  # its inputs are permuted into their groups (GPTQ's desc_act)
+
+
 def resolve_checkpoint_format(
     files: ModelFiles, arch: ArchConfig, quantization: str | None, platform: str, tp: int,
     cpu_bf16: bool = False,
-) -> tuple[tuple[WeightFormat, int | None, bool] | None, str] | None:
-    """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: ((the format
-    that keeps its stored width, its inputs per scale, whether its inputs are permuted into
-    their groups: GPTQ's desc_act), why), or (None, why) where its weights are dequantized at
-    load into the format `--quantization` and the platform pick. None for a float checkpoint.
+) -> CheckpointFormat | None:
+    """How a checkpoint stored quantized (models/checkpoint_quant.py) is served: the format
+    that keeps its stored width, or none where its weights are dequantized at load, and why.
+    None for a float checkpoint.
 
     fp8 stays 8-bit on GPU and TPU (kernels_pallas/int8_matmul widens it inside the matmul);
     the CPU has no fp8 matmul, so it is dequantized at load there. int4 stays 4-bit on TPU and
@@ -225,27 +244,30 @@ def resolve_checkpoint_format(
     if cq is None:
         return None
     if quantization is not None:
-        return None, f"the checkpoint's {cq.name} weights dequantized at load for --quantization {quantization}"
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load for "
+                                f"--quantization {quantization}")
     if head_layout(arch, tp).num_kv_heads != arch.num_key_value_heads:
-        return None, (f"the checkpoint's {cq.name} weights dequantized at load: tensor parallel "
-                      f"size {tp} pads the KV heads, which needs float weights")
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load: tensor "
+                                f"parallel size {tp} pads the KV heads, which needs float weights")
     left = [n for n in projection_shapes(arch) if n != "lm_head.weight"
             and not cq.quantizes(n.removesuffix(".weight"))]
     if left:
-        return None, (f"the checkpoint's {cq.name} weights dequantized at load: it leaves "
-                      f"{left[0]} unquantized, and each projection is stacked over the layers")
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load: it leaves "
+                                f"{left[0]} unquantized, and each projection is stacked over the layers")
     if cq.desc_act and (tp > 1 or arch.num_experts):
-        return None, (f"the checkpoint's {cq.name} weights dequantized at load: activation order "
-                      "(desc_act) permutes each projection's inputs, which tensor parallelism "
-                      "and the experts' matmul do not")
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load: activation "
+                                "order (desc_act) permutes each projection's inputs, which tensor "
+                                "parallelism and the experts' matmul do not")
     if cq.type == "int" and cq.num_bits == 8 and not cq.symmetric:
-        return None, (f"the checkpoint's {cq.name} weights dequantized at load: 8-bit values minus "
-                      "zero points need 9 bits")
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load: 8-bit values "
+                                "minus zero points need 9 bits")
     if cq.type == "float" and platform == "cpu":
-        return None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has no fp8 matmul)"
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load (the CPU has "
+                                "no fp8 matmul)")
     if platform == "cpu" and cpu_bf16:
-        return None, (f"the checkpoint's {cq.name} weights dequantized at load into them: faster "
-                      "than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, exact)")
+        return CheckpointFormat(None, f"the checkpoint's {cq.name} weights dequantized at load into them: "
+                                "faster than its int8 values on this CPU (--no-cpu-auto-bf16 keeps those, "
+                                "exact)")
     # The GPU's int4 is its kernel's (one device per stage, no experts); XLA's GPU path widens
     # s4 stacks (the experts' ragged_dot included).
     int4 = cq.num_bits == 4 and (platform == "tpu" or platform == "gpu" and tp == 1
@@ -253,9 +275,11 @@ def resolve_checkpoint_format(
     fmt = (WeightFormat.CHECKPOINT_FP8 if cq.type == "float" else WeightFormat.CHECKPOINT_INT4
            if int4 and cq.symmetric else WeightFormat.CHECKPOINT_INT4_ZP
            if int4 and not arch.num_experts else WeightFormat.CHECKPOINT_INT8)
-    group = cq.group_size if cq.strategy == "group" else cq.block[1] if cq.strategy == "block" else None
+    group = (cq.group_size if cq.strategy == "group"
+             else cq.block[1] if cq.strategy == "block" and cq.block is not None else None)
     order = ", inputs permuted into their groups (desc_act)" if cq.desc_act else ""
-    return (fmt, group, cq.desc_act), f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values{order}"
+    return CheckpointFormat(fmt, f"the checkpoint's {cq.name} weights kept as {fmt.quantization} values{order}",
+                            group, cq.desc_act)
 
 
 def resolve_experts_format(files: ModelFiles, arch: ArchConfig, platform: str, tp: int,

@@ -1,5 +1,6 @@
 """Checkpoints stored quantized: their `quantization_config` (config.json) read into one typed
-scheme, and each projection's tensors read by the format's published formula.
+scheme (models/quant_scheme.py), and each projection's tensors read by the format's published
+formula (`read_matrix`).
 
 JAX-free (NumPy): the API server and the preflight read the scheme without a device.
 
@@ -23,15 +24,20 @@ stay in the model's dtype, as vLLM does on chips without FP8 matmuls (weight-onl
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
 
-GetTensor = Callable[[str], "np.ndarray | None"]
+from jaxserve.models import gptq_awq
+from jaxserve.models.quant_scheme import (
+    CheckpointQuant,
+    CheckpointQuantError,
+    GetTensor,
+    StoredMatrix,
+    need_tensor,
+    unpack_ints,
+)
 
 SUPPORTED = ("compressed-tensors: float-quantized FP8 weights (tensor, channel, group or block "
              "scales), pack-quantized / int-quantized / naive-quantized int4 and int8 weights "
@@ -40,106 +46,6 @@ SUPPORTED = ("compressed-tensors: float-quantized FP8 weights (tensor, channel, 
              "gptq or gptq_v2, desc_act either way); awq 4-bit (version gemm); mxfp4 "
              "(GPT-OSS's experts)")
 _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized")
-
-
-class CheckpointQuantError(ValueError):
-    """A quantized checkpoint jaxserve cannot read, or one whose tensors contradict its config."""
-
-
-@dataclass(frozen=True)
-class CheckpointQuant:
-    """One weight scheme for every quantized projection of a checkpoint."""
-
-    method: str  # "compressed-tensors" | "fp8" | "gptq" | "awq"
-    format: str  # one of _CT_FORMATS, or the method
-    type: str  # "float" (float8_e4m3fn) | "int"
-    num_bits: int  # 8, or 4 (int)
-    strategy: str  # "tensor" | "channel" | "group" | "block"
-    group_size: int | None = None  # strategy "group"
-    block: tuple[int, int] | None = None  # strategy "block": [out, in] per scale
-    symmetric: bool = True
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
-    desc_act: bool = False  # gptq: inputs may join their groups out of order (g_idx)
-    zero_offset: int = 0  # gptq v1 stores each zero point minus one
-
-    @property
-    def name(self) -> str:
-        """How logs and errors name it, e.g. 'compressed-tensors int4 (group 128, symmetric)'."""
-        width = "fp8" if self.type == "float" else f"int{self.num_bits}"
-        how = {"group": f"group {self.group_size}", "block": f"block {self.block}"}.get(
-            self.strategy, f"per {self.strategy}")
-        zero = "" if self.type == "float" else (", symmetric" if self.symmetric else ", zero points")
-        return f"{self.method} {width} ({how}{zero})"
-
-    def quantizes(self, module: str) -> bool:
-        """Whether `module` (e.g. 'model.layers.0.self_attn.q_proj') is stored quantized."""
-        if any(_matches(module, t) for t in self.ignore):
-            return False
-        return any(t == "Linear" or _matches(module, t) for t in self.targets)
-
-    def read(self, get: GetTensor, module: str, shape: tuple[int, int], source: str) -> StoredMatrix:
-        """`module`'s stored matrix [out, in] = `shape`, checked against this scheme."""
-        return _read(self, get, module, shape, source)
-
-
-@dataclass(frozen=True)
-class StoredMatrix:
-    """A projection as stored: `values` [out, in] (int8 holding int4/int8 values, or
-    float8_e4m3fn), `scale` float32 [out, groups] over equal groups of `in // groups` inputs,
-    `zero` int8 [out, groups] or None. w = (values - zero) * scale per group. `g_idx` [in]:
-    each input's group where they are not in order (GPTQ's activation order; float only)."""
-
-    values: np.ndarray
-    scale: np.ndarray
-    zero: np.ndarray | None = None
-    g_idx: np.ndarray | None = None
-
-    def as_leaves(self, values_dtype: str, zero_points: bool = False,
-                  act_order: bool = False) -> dict[str, np.ndarray]:
-        """The model's leaves for a checkpoint format (models/quantization.py): `qweight`
-        [out, in] in `values_dtype` ("int8", "int4", "float8_e4m3fn") and `scale` [out, groups];
-        with `zero_points` also `zero_scale` float32 [out, groups] (zero times scale), else
-        `qweight` holds the values minus zero points (which int8 holds exactly for int4).
-        With `act_order` also `perm` int32 [in]: the inputs sorted by group, the order of
-        `qweight`'s columns (GPTQ's g_idx made contiguous groups, as vLLM's Marlin path does)."""
-        values, leaves = self.values, {}
-        if act_order:
-            n_in = values.shape[1]
-            perm = np.argsort(self.g_idx, kind="stable") if self.g_idx is not None else np.arange(n_in)
-            values, leaves["perm"] = values[:, perm], perm.astype(np.int32)
-        elif self.g_idx is not None:
-            raise ValueError("inputs grouped out of order (g_idx) need act_order")
-        dtype = np.dtype(getattr(ml_dtypes, values_dtype, values_dtype))
-        if zero_points:
-            zero = self.zero if self.zero is not None else np.zeros(self.scale.shape, np.int8)
-            return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale,
-                    "zero_scale": zero.astype(np.float32) * self.scale, **leaves}
-        if self.zero is not None:
-            if values_dtype != "int8":
-                raise ValueError(f"{values_dtype} values hold no zero points")
-            g = values.shape[1] // self.zero.shape[1]
-            values = (values.astype(np.int16) - np.repeat(self.zero, g, axis=1)).astype(np.int8)
-        return {"qweight": np.ascontiguousarray(values.astype(dtype)), "scale": self.scale, **leaves}
-
-    def dequantize(self) -> np.ndarray:
-        out, n_in = self.values.shape
-        if self.g_idx is not None:
-            q = self.values.astype(np.float32)
-            if self.zero is not None:
-                q = q - self.zero.astype(np.float32)[:, self.g_idx]
-            return q * self.scale[:, self.g_idx]
-        g = n_in // self.scale.shape[1]
-        q = self.values.astype(np.float32).reshape(out, -1, g)
-        if self.zero is not None:
-            q = q - self.zero.astype(np.float32)[..., None]
-        return (q * self.scale[..., None]).reshape(out, n_in)
-
-
-def _matches(module: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return module == target or module.endswith("." + target)
 
 
 def from_hf_config(config: dict[str, Any], model_dir: str) -> CheckpointQuant | None:
@@ -159,8 +65,6 @@ def from_hf_config(config: dict[str, Any], model_dir: str) -> CheckpointQuant | 
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
     if method in ("gptq", "awq"):
-        from jaxserve.models import gptq_awq
-
         return (gptq_awq.from_gptq if method == "gptq" else gptq_awq.from_awq)(qc, where)
     fields = ", ".join(f"{k}={qc[k]!r}" for k in ("bits", "group_size", "desc_act", "version",
                                                    "load_in_4bit", "load_in_8bit") if k in qc)
@@ -263,7 +167,7 @@ def _compressed_tensors(qc: dict[str, Any], where: str) -> CheckpointQuant:
         if strategy == "block" and not (isinstance(block, list) and len(block) == 2):
             raise CheckpointQuantError(f"{field}.weights.block_structure: {block!r}, [out, in] expected")
         schemes.append(CheckpointQuant(
-            "compressed-tensors", fmt, wtype, bits, strategy, gs,
+            "compressed-tensors", fmt, cast(str, wtype), cast(int, bits), strategy, gs,  # checked above
             tuple(block) if block else None, bool(w.get("symmetric", True))))
         targets += list(g.get("targets") or ["Linear"])
     if len(set(schemes)) > 1:
@@ -272,15 +176,6 @@ def _compressed_tensors(qc: dict[str, Any], where: str) -> CheckpointQuant:
             f"({'; '.join(sorted({s.name for s in schemes}))}); one per checkpoint is supported")
     return CheckpointQuant(**{**schemes[0].__dict__, "targets": tuple(targets),
                               "ignore": tuple(qc.get("ignore") or ())})
-
-
-def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """int32 [rows, words] -> int8 [rows, n]: element i at bit i * bits of each row's
-    little-endian stream, stored as value + 2^(bits - 1)."""
-    stream = np.ascontiguousarray(packed.astype("<i4")).view(np.uint8)
-    if bits == 4:
-        stream = np.stack([stream & 0xF, stream >> 4], axis=-1).reshape(packed.shape[0], -1)
-    return (stream[:, :n].astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
 
 
 def _expand_scale(cq: CheckpointQuant, scale: np.ndarray, shape: tuple[int, int], name: str,
@@ -293,12 +188,14 @@ def _expand_scale(cq: CheckpointQuant, scale: np.ndarray, shape: tuple[int, int]
     elif cq.strategy == "channel":
         expect = (out, 1)
     elif cq.strategy == "group":
+        assert cq.group_size is not None  # the scheme sets it for strategy "group"
         if n_in % cq.group_size:
             raise CheckpointQuantError(
                 f"{source}: tensor {name!r}: group_size {cq.group_size} does not divide the "
                 f"{n_in} input features")
         expect = (out, n_in // cq.group_size)
     else:
+        assert cq.block is not None  # the scheme sets it for strategy "block"
         b0, b1 = cq.block
         if n_in % b1:
             raise CheckpointQuantError(
@@ -312,30 +209,22 @@ def _expand_scale(cq: CheckpointQuant, scale: np.ndarray, shape: tuple[int, int]
             f"{source}: tensor {name!r} has shape {tuple(scale.shape)}, expected {expect} "
             f"for {cq.name}")
     if cq.strategy == "block":
-        return np.ascontiguousarray(scale[np.arange(out) // cq.block[0]])
+        return np.ascontiguousarray(scale[np.arange(out) // b0])
     return scale
 
 
-def _need(get: GetTensor, name: str, source: str, cq: CheckpointQuant) -> np.ndarray:
-    t = get(name)
-    if t is None:
-        raise CheckpointQuantError(f"{source}: tensor {name!r} is missing ({cq.name} needs it)")
-    return t
-
-
-def _read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int],
-          source: str) -> StoredMatrix:
+def read_matrix(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int],
+                source: str) -> StoredMatrix:
+    """`module`'s stored matrix [out, in] = `shape`, checked against the scheme `cq`."""
     if cq.method in ("gptq", "awq"):
-        from jaxserve.models import gptq_awq
-
         return gptq_awq.read(cq, get, module, shape, source)
     out, n_in = shape
     scale_name = f"{module}.weight_scale_inv" if cq.method == "fp8" else f"{module}.weight_scale"
-    scale = _expand_scale(cq, _need(get, scale_name, source, cq), shape, scale_name, source)
+    scale = _expand_scale(cq, need_tensor(get, scale_name, source, cq), shape, scale_name, source)
     zero = None
     if cq.format == "pack-quantized":
         name = f"{module}.weight_packed"
-        packed = _need(get, name, source, cq)
+        packed = need_tensor(get, name, source, cq)
         words = -(-n_in * cq.num_bits // 32)
         if packed.dtype != np.int32 or tuple(packed.shape) != (out, words):
             raise CheckpointQuantError(f"{source}: tensor {name!r} is {packed.dtype} {tuple(packed.shape)}, "
@@ -344,25 +233,25 @@ def _read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, in
         if stored_shape is not None and tuple(int(x) for x in stored_shape) != shape:
             raise CheckpointQuantError(f"{source}: tensor '{module}.weight_shape' says "
                                        f"{tuple(int(x) for x in stored_shape)}, expected {shape}")
-        values = _unpack(packed, cq.num_bits, n_in)
+        values = unpack_ints(packed, cq.num_bits, n_in)
         if not cq.symmetric:
             zname = f"{module}.weight_zero_point"
-            zp = _need(get, zname, source, cq)
+            zp = need_tensor(get, zname, source, cq)
             zwords = -(-out * cq.num_bits // 32)
             if tuple(zp.shape) != (zwords, scale.shape[1]) or cq.strategy == "block":
                 raise CheckpointQuantError(f"{source}: tensor {zname!r} has shape {tuple(zp.shape)}, "
                                            f"expected {(zwords, scale.shape[1])}")
-            zero = np.ascontiguousarray(_unpack(np.ascontiguousarray(zp.T), cq.num_bits, out).T)
+            zero = np.ascontiguousarray(unpack_ints(np.ascontiguousarray(zp.T), cq.num_bits, out).T)
     else:
         name = f"{module}.weight"
-        values = _need(get, name, source, cq)
+        values = need_tensor(get, name, source, cq)
         dtype = np.dtype(ml_dtypes.float8_e4m3fn) if cq.type == "float" else np.dtype(np.int8)
         if values.dtype != dtype or tuple(values.shape) != shape:
             raise CheckpointQuantError(f"{source}: tensor {name!r} is {values.dtype} {tuple(values.shape)}, "
                                        f"expected {dtype} {shape} for {cq.name}")
         if not cq.symmetric and cq.type == "int":
             zname = f"{module}.weight_zero_point"
-            zero = _expand_scale(cq, _need(get, zname, source, cq), shape, zname, source).astype(np.int8)
+            zero = _expand_scale(cq, need_tensor(get, zname, source, cq), shape, zname, source).astype(np.int8)
     if cq.type == "int" and cq.symmetric is False and zero is None:
         raise CheckpointQuantError(f"{source}: {module}: zero points missing for {cq.name}")
     return StoredMatrix(np.ascontiguousarray(values), scale, zero)
@@ -376,7 +265,7 @@ def dequantizing_get(get: GetTensor, cq: CheckpointQuant, shapes: dict[str, tupl
     def fetch(name: str) -> np.ndarray | None:
         module = name.removesuffix(".weight")
         if name in shapes and cq.quantizes(module):
-            return cq.read(get, module, shapes[name], source).dequantize()
+            return read_matrix(cq, get, module, shapes[name], source).dequantize()
         return get(name)
 
     return fetch

@@ -1,5 +1,5 @@
 """GPTQ and AWQ checkpoints (AutoGPTQ / GPTQModel, AutoAWQ): their `quantization_config` read
-into a CheckpointQuant (models/checkpoint_quant.py) and each projection's int32-packed tensors
+into a CheckpointQuant (models/quant_scheme.py) and each projection's int32-packed tensors
 unpacked by the format's published layout into a StoredMatrix.
 
 JAX-free (NumPy). Values unpack unsigned q in [0, 2^bits) and are kept signed, q - 2^(bits-1),
@@ -19,20 +19,24 @@ AWQ (quant_method "awq", version "gemm"), 4 bits, zero points:
 
 from __future__ import annotations
 
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxserve.models.checkpoint_quant import CheckpointQuant, GetTensor, StoredMatrix
+from jaxserve.models.quant_scheme import (
+    CheckpointQuant,
+    CheckpointQuantError,
+    GetTensor,
+    StoredMatrix,
+    need_tensor,
+    unpack_ints,
+)
 
 # Where AWQ's packing puts output 8c + j: the nibble _AWQ_NIBBLE[j] of word c.
 _AWQ_NIBBLE = np.array([0, 4, 1, 5, 2, 6, 3, 7])
 
 
 def from_gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
-    from jaxserve.models.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-
     bits = qc.get("bits")
     if bits not in (4, 8):
         raise CheckpointQuantError(f"{where}.bits: {bits!r}; jaxserve reads 4- and 8-bit GPTQ")
@@ -56,8 +60,6 @@ def from_gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
 
 
 def from_awq(qc: dict[str, Any], where: str) -> CheckpointQuant:
-    from jaxserve.models.checkpoint_quant import CheckpointQuant, CheckpointQuantError
-
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise CheckpointQuantError(f"{where}.version: {qc.get('version')!r}; jaxserve reads AWQ's "
@@ -74,8 +76,6 @@ def from_awq(qc: dict[str, Any], where: str) -> CheckpointQuant:
 
 
 def _group(size: Any, field: str) -> tuple[int | None, str]:
-    from jaxserve.models.checkpoint_quant import CheckpointQuantError
-
     if size == -1:
         return None, "channel"
     if not (isinstance(size, int) and size > 0):
@@ -85,15 +85,11 @@ def _group(size: Any, field: str) -> tuple[int | None, str]:
 
 def _unpack_unsigned(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     """int32 [rows, words] -> int16 [rows, n] of unsigned values, element i at bits i*bits."""
-    from jaxserve.models.checkpoint_quant import _unpack
-
-    return _unpack(packed, bits, n).astype(np.int16) + (1 << (bits - 1))
+    return unpack_ints(packed, bits, n).astype(np.int16) + (1 << (bits - 1))
 
 
 def read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int],
          source: str) -> StoredMatrix:
-    from jaxserve.models.checkpoint_quant import CheckpointQuantError, StoredMatrix, _need
-
     out, n_in = shape
     bits, per = cq.num_bits, 32 // cq.num_bits
     groups = n_in // cq.group_size if cq.group_size else 1
@@ -103,7 +99,7 @@ def read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int
 
     def tensor(suffix: str, dtype: Any, expect: tuple[int, int]) -> np.ndarray:
         name = f"{module}.{suffix}"
-        t = _need(get, name, source, cq)
+        t = need_tensor(get, name, source, cq)
         if t.dtype != np.dtype(dtype) or tuple(t.shape) != expect:
             raise CheckpointQuantError(f"{source}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, "
                                        f"expected {np.dtype(dtype)} {expect} for {cq.name}")
@@ -136,20 +132,17 @@ def read(cq: CheckpointQuant, get: GetTensor, module: str, shape: tuple[int, int
     scale = np.ascontiguousarray(scales.astype(np.float32).T)
     zero = np.ascontiguousarray((z - (1 << (bits - 1))).astype(np.int8).T)  # [out, groups]
     g_idx = _g_idx(cq, get, module, n_in, groups, source) if cq.method == "gptq" else None
-    if cq.symmetric:
-        if zero.any():
-            raise CheckpointQuantError(
-                f"{source}: tensor '{module}.qzeros' holds zero points other than "
-                f"{1 << (bits - 1)}, but quantization_config.sym is true")
-        zero = None
-    return StoredMatrix((q - (1 << (bits - 1))).astype(np.int8), scale, zero, g_idx)
+    if cq.symmetric and zero.any():
+        raise CheckpointQuantError(
+            f"{source}: tensor '{module}.qzeros' holds zero points other than "
+            f"{1 << (bits - 1)}, but quantization_config.sym is true")
+    return StoredMatrix((q - (1 << (bits - 1))).astype(np.int8), scale,
+                        None if cq.symmetric else zero, g_idx)
 
 
 def _g_idx(cq: CheckpointQuant, get: GetTensor, module: str, n_in: int, groups: int,
            source: str) -> np.ndarray | None:
     """GPTQ's input -> group map where it is not in order (activation order), else None."""
-    from jaxserve.models.checkpoint_quant import CheckpointQuantError
-
     name = f"{module}.g_idx"
     g = get(name)
     if g is None:

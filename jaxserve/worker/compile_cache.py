@@ -11,7 +11,7 @@ from jaxserve.models.tokenizer import cache_dir
 
 def enable_compilation_cache(path: str | None = None) -> str:
     """Point JAX at a persistent cache (unless the user already did) and return its path."""
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # set at run time
     if current:
         return current
     path = path or os.path.join(cache_dir(), "jax_compilation_cache")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Generic, TypeVar
 
 import jax
 import numpy as np
@@ -26,27 +26,30 @@ import numpy as np
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.packing import Packing
 
+# NumPy on the host (InputBatch.prepare), jax.Array inside the forward (unpacked there).
+ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
+
 
 @jax.tree_util.register_dataclass
 @dataclass
-class StepInputs:
+class StepInputs(Generic[ArrayT]):
     """One step's forward inputs (shapes padded; see model_runner for their use).
 
     Request rows Q = min(T, max_num_seqs): a step cannot hold more requests than tokens, so
     a decode of a few sequences carries a few page-table rows, not max_num_seqs of them.
     """
 
-    input_ids: Any  # i32[T]
-    prev_slot: Any  # i32[T]; >= 0: take last_sampled[prev_slot] instead
-    positions: Any  # i32[T]
-    slot_mapping: Any  # i32[G, T]: each KV cache group's slots
-    kv_lens: Any  # i32[Q]
-    page_indices: Any  # i32[G, Q, max_pages]
-    cu_q_lens: Any  # i32[Q + 1]
-    num_seqs: Any  # i32[1]
+    input_ids: ArrayT  # i32[T]
+    prev_slot: ArrayT  # i32[T]; >= 0: take last_sampled[prev_slot] instead
+    positions: ArrayT  # i32[T]
+    slot_mapping: ArrayT  # i32[G, T]: each KV cache group's slots
+    kv_lens: ArrayT  # i32[Q]
+    page_indices: ArrayT  # i32[G, Q, max_pages]
+    cu_q_lens: ArrayT  # i32[Q + 1]
+    num_seqs: ArrayT  # i32[1]
     # i32[min(T, max_logit_rows)]: the last token of each scheduled request (a request
     # with k draft tokens: its last k + 1 tokens, one row per draft then one more).
-    logits_indices: Any
+    logits_indices: ArrayT
 
     @staticmethod
     @functools.cache
@@ -163,7 +166,7 @@ class InputBatch:
     def prepare(
         self, req_ids: list[str], num_scheduled: np.ndarray, padded_tokens: int,
         num_drafts: np.ndarray | None = None, draft_ids: list[int] | None = None,
-    ) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+    ) -> tuple[StepInputs[np.ndarray], np.ndarray, np.ndarray]:
         """Host inputs for the scheduled requests (in `req_ids` order), padded to
         `padded_tokens` tokens and min(padded_tokens, max_num_seqs) request rows.
         `num_drafts[i]` draft tokens (`draft_ids`, flat) follow request i's first token.
@@ -221,6 +224,6 @@ class InputBatch:
         return inp, slots, samples
 
 
-def as_dict(inp: StepInputs) -> dict[str, Any]:
+def as_dict(inp: StepInputs[np.ndarray]) -> dict[str, np.ndarray]:
     """Field name -> array (for `Packing.pack`)."""
     return {f.name: getattr(inp, f.name) for f in fields(inp)}

@@ -75,7 +75,7 @@ class MemoryPlan:
         the same cache bytes: what the groups gain."""
         g = self.groups
         layers = sum(len(spec.layers) for spec in g.groups) if g.hybrid else 0
-        full_page = self.page_bytes // g.num_slots * layers if g.hybrid else self.page_bytes
+        full_page = self.page_bytes // g.num_slots * layers if g.num_slots is not None else self.page_bytes
         per_seq = -(-self.max_model_len // self.page_size)
         return max(self.cache_bytes // full_page - 1, 0) // per_seq
 

@@ -4,11 +4,13 @@ Two compiled programs per step (one forward per pipeline stage), each bucketed
 on one axis so their count stays small (|token buckets| + 3 x |request buckets|,
 all compiled at warm-up):
 
-    forward[T]        (params, kv_cache*, last_sampled, packed inputs) -> kv_cache, hidden[S]
+    forward[T]        (ForwardKey, params, kv_cache*, last_sampled, packed inputs)
+                      -> kv_cache, hidden[S]
                       runs the decoder over T (padded) tokens and keeps the hidden
                       state of each request's last token only
     sample[R, mode, verify]
-                      (params, hidden[P], last_sampled*, penalty state*, packed sampling md)
+                      (SamplerKey, params, hidden[P], last_sampled*, penalty state*,
+                       packed sampling md)
                       -> last_sampled, penalty state, tokens[R] and their logprobs
                       LM head on R (padded) rows only, then the on-device Sampler in the
                       batch's SamplerMode (greedy / random / filtered: no device branch);
@@ -24,15 +26,17 @@ tokens are all known does not wait for the previous step's sampler (pipeline mic
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
@@ -40,22 +44,62 @@ from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, LlamaForCausalLM
 from jaxserve.models.variables import model_variables
 from jaxserve.parallel.pipeline import Stage
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
-from jaxserve.worker.programs import Program, ProgramKind, abstract as abstract_tree, runner_programs
-from jaxserve.worker.penalty_state import PenaltyState, admit, admit_inputs, after_sampling
+from jaxserve.worker.penalty_state import LogitsProcessors, PenaltyState, admit, admit_inputs, after_sampling
 from jaxserve.worker.pooler import Pooler, pool_sums
+from jaxserve.worker.programs import ForwardKey, Program, ProgramKind, SamplerKey, TokensKey
+from jaxserve.worker.programs import abstract as abstract_tree
 from jaxserve.worker.rejection_sampler import rejection_sample
-from jaxserve.worker.sampler_inputs import (grammar_bitmask, sampler_packing, sampling_inputs,
-                                            verify_inputs)
-from jaxserve.worker.step_handle import (CompileMonitor, PreparedStep, PromptLogprobRows,
-                                         StepFacts, StepHandle, host_array,
-                                         prompt_logprobs_output, sampled_output)
-from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.worker.sampler import SamplerMode, SamplingMetadata, sample
+from jaxserve.worker.sampler import SamplerMode, SamplerOutput, SamplingMetadata, sample
+from jaxserve.worker.sampler_inputs import grammar_bitmask, sampler_packing, sampling_inputs, verify_inputs
+from jaxserve.worker.step_handle import (
+    CompileMonitor,
+    PoolOut,
+    PreparedStep,
+    PromptLogprobRows,
+    PromptLogprobsOut,
+    PromptLogprobTargets,
+    StepFacts,
+    StepHandle,
+    host_array,
+    prompt_logprobs_output,
+    sampled_output,
+)
 
 logger = logging.getLogger(__name__)
+
+# A stage's weights: Flax variables, nested as the model's modules are (no finer type).
+Params = dict[str, Any]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def model_apply(model: LlamaForCausalLM, params: Params,
+          method: Callable[Concatenate[LlamaForCausalLM, _P], _R], *args: _P.args,
+          **kwargs: _P.kwargs) -> _R:
+    """`model.apply(params, *args, method=method)`, typed as `method` returns (Flax types
+    `apply` for mutable collections too)."""
+    return cast(_R, model.apply(params, *args, method=method, **cast(dict[str, Any], kwargs)))
+
+
+class FinalStates(NamedTuple):
+    """The last stage's output: the final-norm states of the sampled rows, and with
+    `ForwardKey.all_rows` those of every token (prompt logprobs, pooling)."""
+
+    rows: jax.Array  # [num_logit_rows, H]
+    every_token: jax.Array | None  # [T, H]
+
+
+class ForwardOut(NamedTuple):
+    """A dispatched forward's device outputs: the sampled rows' states (the sampler's input)
+    and the step's prompt logprobs and pooled sums, when it has such requests."""
+
+    hidden: jax.Array
+    prompt_out: PromptLogprobsOut | None
+    pool_out: PoolOut | None
 
 
 def request_seed(engine_seed: int, req_id: str) -> int:
@@ -125,24 +169,24 @@ class ModelRunner:
         # step's last_sampled, so it need not wait for that step's sampler.
         self._no_sampled = place(np.zeros((S,), np.int32), replicated)
         # Tests and tools: called as (step, stage index, stage output) after each dispatch.
-        self.stage_observer: Callable[[int, int, Any], None] | None = None
+        self.stage_observer: Callable[[int, int, jax.Array | FinalStates], None] | None = None
         self._num_steps = 0
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
         # The compiled programs (public: worker/programs.py lists them for the warm-up, the
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
-        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0,), donate_argnums=(2,))
         self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
         self.pooler = pooler or Pooler(S)
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self.sample_program = jax.jit(
-            self.sample_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7),
+            self.sample_fn, static_argnums=(0,), donate_argnums=(3, 4),
             out_shardings=replicated,
         )
         self.admit_program = jax.jit(admit, donate_argnums=(0,))
-        # Device seconds of each (rows bucket, mode, verify, processors) sampler, timed at warm-up:
-        # traces split a step's device time into forward and sampler with it.
-        self.sample_time_s: dict[tuple[int, SamplerMode, bool, bool], float] = {}
+        # Device seconds of each sampler program, timed at warm-up: traces split a step's
+        # device time into forward and sampler with it.
+        self.sample_time_s: dict[SamplerKey, float] = {}
         CompileMonitor.install()
 
     # ---- compiled programs -------------------------------------------------------------
@@ -151,49 +195,53 @@ class ModelRunner:
         return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages,
                                   self.num_logit_rows, self.batch.num_groups)
 
-    def stage_fn(self, index: int, num_tokens: int, all_rows: bool, params, kv_cache, x, buf):
-        """One pipeline stage (the whole model when pp = 1) over a `num_tokens` bucket.
+    def stage_fn(self, key: ForwardKey, params: Params, kv_cache: jax.Array, x: jax.Array,
+                 buf: jax.Array) -> tuple[jax.Array, jax.Array | FinalStates]:
+        """One pipeline stage (the whole model when pp = 1) over a `key.tokens` bucket.
 
         The first stage embeds (x = last_sampled: tokens sampled by the previous step
         have not reached the host, so they are read here); the others continue from
         the hidden states x. The last stage keeps each request's last hidden state.
         """
-        inp = StepInputs(**self.forward_packing(num_tokens).unpack(buf))
-        st = self.stages[index]
+        inp: StepInputs[jax.Array] = StepInputs(**self.forward_packing(key.tokens).unpack(buf))
+        st = self.stages[key.stage]
         params = model_variables(params)  # int8 layer weights: a collection of their own
         if st.is_first:
             input_ids = jnp.where(inp.prev_slot >= 0, x[jnp.maximum(inp.prev_slot, 0)], inp.input_ids)
-            x = st.model.apply(params, input_ids, method=LlamaForCausalLM.embed)
+            x = model_apply(st.model, params, LlamaForCausalLM.embed, input_ids)
         md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-        h, kv_cache = st.model.apply(params, x, inp.positions, kv_cache, md, method=LlamaForCausalLM.run_layers)
-        if st.is_last:
-            # A fixed number of rows, so the sampler's shapes do not depend on T.
-            rows = jnp.pad(inp.logits_indices, (0, self.num_logit_rows - inp.logits_indices.shape[0]))
-            normed = st.model.apply(params, h, method=LlamaForCausalLM.final_norm)
-            # all_rows (prompt logprobs): every token's state too, not only the sampled rows.
-            h = (normed[rows], normed) if all_rows else normed[rows]
-        return kv_cache, h
+        h, kv_cache = model_apply(st.model, params, LlamaForCausalLM.run_layers, x, inp.positions, kv_cache, md)
+        if not st.is_last:
+            return kv_cache, h
+        # A fixed number of rows, so the sampler's shapes do not depend on T.
+        rows = jnp.pad(inp.logits_indices, (0, self.num_logit_rows - inp.logits_indices.shape[0]))
+        normed = model_apply(st.model, params, LlamaForCausalLM.final_norm, h)
+        # all_rows (prompt logprobs): every token's state too, not only the sampled rows.
+        return kv_cache, FinalStates(normed[rows], normed if key.all_rows else None)
 
-    def _forward(self, inp: StepInputs, all_rows: bool = False) -> Any:
+    def _forward(self, inp: StepInputs[np.ndarray], all_rows: bool = False) -> FinalStates:
         """Run every stage; activations hop to the next stage's devices asynchronously.
         Returns the sampled rows' final states, and with `all_rows` every token's too."""
         T = inp.input_ids.shape[0]
         buf = self.forward_packing(T).pack(as_dict(inp))
-        x = self.last_sampled if (inp.prev_slot >= 0).any() else self._no_sampled
+        x: jax.Array | FinalStates = self.last_sampled if (inp.prev_slot >= 0).any() else self._no_sampled
         self._num_steps += 1
         for st in self.stages:
             if len(self.stages) > 1:
                 x = jax.device_put(x, st.replicated)
-            st.kv_cache, x = self.stage_program(st.index, T, all_rows and st.is_last, st.params,
-                                         st.kv_cache, x, jax.device_put(buf, st.replicated))
+            st.kv_cache, x = self.stage_program(ForwardKey(st.index, T, all_rows and st.is_last),
+                                                st.params, st.kv_cache, x,
+                                                jax.device_put(buf, st.replicated))
             if self.stage_observer is not None:
                 self.stage_observer(self._num_steps, st.index, x)
-        return x
+        return cast(FinalStates, x)  # the last stage's
 
-    def prompt_logprobs_fn(self, params, hidden, targets):
+    def prompt_logprobs_fn(self, params: Params, hidden: jax.Array, targets: jax.Array
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per token row: the logprob of `targets` (the next prompt token), then the top-N,
-        and the target's rank; from the raw model distribution, as sampled logprobs."""
-        logits = self.model.apply(params, hidden, method=LlamaForCausalLM.compute_logits)
+        and the target's rank; from the raw model distribution, as sampled logprobs.
+        (token ids, logprobs, ranks): PromptLogprobsOut's fields."""
+        logits = model_apply(self.model, params, LlamaForCausalLM.compute_logits, hidden)
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         top_v, top_i = jax.lax.top_k(lp, MAX_LOGPROBS)
         target_lp = jnp.take_along_axis(lp, targets[:, None], axis=-1)
@@ -201,15 +249,16 @@ class ModelRunner:
         return (jnp.concatenate([targets[:, None], top_i.astype(jnp.int32)], axis=-1),
                 jnp.concatenate([target_lp, top_v], axis=-1), ranks)
 
-    def _prompt_rows(self, req_ids: list[str], slots: np.ndarray, inp: StepInputs,
-                     T: int) -> tuple[np.ndarray, list[PromptLogprobRows]] | None:
+    def _prompt_rows(self, req_ids: list[str], slots: np.ndarray, inp: StepInputs[np.ndarray],
+                     T: int) -> PromptLogprobTargets | None:
         """The step's token rows that are prompt positions of prompt_logprobs requests (each
         predicting the next prompt token), or None when no request needs any."""
         b = self.batch
         wanted = np.flatnonzero(b.prompt_logprobs[slots] >= 0)
         if not len(wanted):
             return None
-        targets, rows = np.zeros(T, np.int32), []
+        targets = np.zeros(T, np.int32)
+        rows: list[PromptLogprobRows] = []
         for i in wanted.tolist():
             slot, end = int(slots[i]), int(inp.kv_lens[i])
             start_tok, count = int(inp.cu_q_lens[i]), int(inp.cu_q_lens[i + 1] - inp.cu_q_lens[i])
@@ -221,36 +270,49 @@ class ModelRunner:
             targets[start_tok:start_tok + n] = b.token_ids[slot, first + 1:last + 1]
             rows.append(PromptLogprobRows(req_ids[i], first, start_tok, n,
                                           int(b.prompt_logprobs[slot])))
-        return (targets, rows) if rows else None
+        return PromptLogprobTargets(targets, rows) if rows else None
 
-    def sample_fn(self, num_rows: int, mode: SamplerMode, verify: bool, processors: bool, params,
-                  hidden, last_sampled, penalties: PenaltyState, buf, bitmask=None):
-        """`processors`: some row has a penalty or logits processor (needs_processors); else
+    def sample_fn(self, key: SamplerKey, params: Params, hidden: jax.Array,
+                  last_sampled: jax.Array, penalties: PenaltyState, buf: jax.Array,
+                  bitmask: jax.Array | None = None
+                  ) -> tuple[jax.Array, PenaltyState, SamplerOutput]:
+        """`key.processors`: some row has a penalty or logits processor (needs_processors); else
         no per-slot [vocab] state is read or updated."""
-        u = sampler_packing(num_rows, verify).unpack(buf)
+        u = sampler_packing(key.rows, key.verify).unpack(buf)
         slots, real = u.pop("slots"), u.pop("real")
-        drafts = (u.pop("draft_ids"), u.pop("group_first")) if verify else ()
+        drafts = (u.pop("draft_ids"), u.pop("group_first")) if key.verify else None
         wanted = u.pop("logprobs")
         md = SamplingMetadata(**u, logprobs=wanted if self.logprobs_branch else None)
         # An identity barrier: XLA's Triton GEMM emitter fails on a one-row slice fused into
         # the LM head (R = 1 on H100/H200: "Reshape input and output shapes must be the same")
-        rows = jax.lax.optimization_barrier(hidden[:num_rows])
-        logits = self.model.apply(params, rows, method=LlamaForCausalLM.compute_logits)
+        sampled_rows = jax.lax.optimization_barrier(hidden[:key.rows])
+        logits = model_apply(self.model, params, LlamaForCausalLM.compute_logits, sampled_rows)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
-        args: tuple[Any, ...] = (logits, None, None, md, mode, None)
-        if processors:
-            args = (logits, penalties.prompt_mask[rows], penalties.output_counts[rows], md, mode,
-                    penalties.processors(rows, bitmask))
-        out = (rejection_sample(*args, *drafts, self.radix_bits) if verify
-               else sample(*args, self.radix_bits))
+        prompt_mask: jax.Array | None = None
+        output_counts: jax.Array | None = None
+        processors: LogitsProcessors | None = None
+        if key.processors:
+            prompt_mask, output_counts = penalties.prompt_mask[rows], penalties.output_counts[rows]
+            processors = penalties.processors(rows, bitmask)
+        if drafts is not None:
+            draft_ids, group_first = drafts
+            out = rejection_sample(logits, prompt_mask, output_counts, md, key.mode, processors,
+                                   draft_ids, group_first, self.radix_bits)
+        else:
+            out = sample(logits, prompt_mask, output_counts, md, key.mode, processors,
+                         self.radix_bits)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         S = self.max_num_seqs
-        last_sampled = last_sampled.at[slots if not verify else jnp.where(out.final, slots, S)
-                                       ].set(out.sampled, mode="drop")
-        if processors:  # one token a step per request: in a verification step, its final one
-            penalties = after_sampling(penalties, slots, rows, out.sampled,
-                                       real if not verify else real & out.emitted,
-                                       real if not verify else real & out.final)
+        if not key.verify:
+            last_sampled = last_sampled.at[slots].set(out.sampled, mode="drop")
+            if key.processors:
+                penalties = after_sampling(penalties, slots, rows, out.sampled, real, real)
+            return last_sampled, penalties, out
+        assert out.emitted is not None and out.final is not None  # the rejection sampler's
+        last_sampled = last_sampled.at[jnp.where(out.final, slots, S)].set(out.sampled, mode="drop")
+        if key.processors:  # one token a step per request: in a verification step, its final one
+            penalties = after_sampling(penalties, slots, rows, out.sampled, real & out.emitted,
+                                       real & out.final)
         return last_sampled, penalties, out
 
     # ---- per step ----------------------------------------------------------------------
@@ -262,11 +324,12 @@ class ModelRunner:
         step = self._prepare(so)
         if step is None:
             return StepHandle(self, None)
-        hidden, prompt_out, pool_out = self._run_forward(step)
+        fwd = self._run_forward(step)
         bitmask = grammar_bitmask(so.grammar_bitmask, step.req_ids, step.per_req, step.R,
                                   self.model.cfg.vocab_size)
-        out = self._run_sampler(step, hidden, bitmask)
-        key = (step.R, step.sampler.mode, step.verify, step.sampler.processors)
+        key = SamplerKey(step.R, step.sampler.mode, step.verify, step.sampler.processors)
+        out = self._run_sampler(step, key, fwd.hidden, bitmask)
+        # A grammar's variant is not timed at warm-up: its step reports the variant's without.
         facts = StepFacts(self.sample_time_s.get(key, 0.0),
                           CompileMonitor.count - compiles, CompileMonitor.seconds - compile_s)
         first_positions = None
@@ -274,7 +337,7 @@ class ModelRunner:
             n, per_req = len(step.req_ids), step.per_req
             first_positions = step.inp.kv_lens[:n] - (0 if per_req is None else per_req - 1)
         return StepHandle(self, step, out=out, num_logprobs=self.batch.num_logprobs[step.slots].copy(),
-                          prompt_out=prompt_out, pool_out=pool_out, facts=facts,
+                          prompt_out=fwd.prompt_out, pool_out=fwd.pool_out, facts=facts,
                           first_positions=first_positions)
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
@@ -302,34 +365,38 @@ class ModelRunner:
         return PreparedStep(req_ids, inp, slots, samples, T, R, sampler, per_req,
                             self._prompt_rows(req_ids, slots, inp, T), pool)
 
-    def _run_forward(self, step: PreparedStep) -> tuple[Any, Any, Any]:
-        """Dispatch the forward; (the sampled rows' hidden states, prompt logprobs or None,
-        pooled sums or None)."""
-        hidden = self._forward(step.inp, all_rows=step.prompt is not None or step.pool is not None)
-        if step.prompt is None and step.pool is None:
-            return hidden, None, None
+    def _run_forward(self, step: PreparedStep) -> ForwardOut:
+        """Dispatch the forward, and the prompt-logprobs and pooling programs on its every-token
+        states when the step has such requests."""
+        states = self._forward(step.inp, all_rows=step.prompt is not None or step.pool is not None)
+        every_token = states.every_token
+        if every_token is None:
+            return ForwardOut(states.rows, None, None)
         # Compiled on first use (rare request kinds; warm-up does not cover them).
-        hidden, every_token = hidden
-        prompt_out = pool_out = None
+        prompt_out: PromptLogprobsOut | None = None
+        pool_out: PoolOut | None = None
         if step.prompt is not None:
-            targets, rows = step.prompt
-            prompt_out = (self.prompt_logprobs_program(self.params, every_token, targets), rows)
+            ids, lps, ranks = self.prompt_logprobs_program(self.params, every_token,
+                                                           step.prompt.targets)
+            prompt_out = PromptLogprobsOut(ids, lps, ranks, step.prompt.rows)
         if step.pool is not None:
-            segments, pool_rows = step.pool
-            pool_out = (self.pool_program(every_token, segments, self.max_num_seqs), pool_rows,
-                        every_token if Pooler.wants_rows(pool_rows) else None)
-        return hidden, prompt_out, pool_out
+            rows = step.pool.rows
+            pool_out = PoolOut(self.pool_program(every_token, step.pool.segments, self.max_num_seqs),
+                               rows, every_token if Pooler.wants_rows(rows) else None)
+        return ForwardOut(states.rows, prompt_out, pool_out)
 
-    def _run_sampler(self, step: PreparedStep, hidden: Any, bitmask: np.ndarray | None) -> Any:
-        """Dispatch the sampler (or the verification sampler); its device outputs."""
+    def _run_sampler(self, step: PreparedStep, key: SamplerKey, hidden: jax.Array,
+                     bitmask: np.ndarray | None) -> SamplerOutput:
+        """Dispatch the sampler (or the verification sampler) `key` names, or its grammar
+        variant with a bitmask; its device outputs."""
         # NOTE: no bitmask argument at all without one: an explicit None would be another
         # call signature to jit, and compile again what warm-up compiled. With one, the
         # program variant is compiled on first use, like prompt logprobs.
         # A grammar's bitmask is one of the logits processors.
-        processors = step.sampler.processors or bitmask is not None
+        if bitmask is not None:
+            key = dataclasses.replace(key, processors=True, grammar=True)
         self.last_sampled, self.penalties, out = self.sample_program(
-            step.R, step.sampler.mode, step.verify, processors, self.params, hidden,
-            self.last_sampled, self.penalties, step.sampler.packed,
+            key, self.params, hidden, self.last_sampled, self.penalties, step.sampler.packed,
             *(() if bitmask is None else (bitmask,)))
         return out
 
@@ -359,12 +426,19 @@ class ModelRunner:
             if new.pooling_params is not None:
                 self.pooler.add_request(new.req_id, new.pooling_params)
             stop = p.all_stop_token_ids(new.eos_token_id) if p.min_tokens else ()
-            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop, p.logit_bias,
-                             p.allowed_token_ids, p.bad_words_token_ids)
+            # SamplingParams declares these as a user gives them; its __post_init__ stores
+            # tuples: (token id, bias) pairs and token id sequences.
+            self._admit_slot(slot, new.prompt_token_ids, new.output_token_ids, stop,
+                             cast(tuple[tuple[int, float], ...], p.logit_bias), p.allowed_token_ids,
+                             cast(tuple[tuple[int, ...], ...], p.bad_words_token_ids))
 
-    def _admit_slot(self, slot: int, *args: Any) -> None:
-        """Reset `slot`'s sampler state for a request: admit_inputs' arguments."""
-        arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, *args)
+    def _admit_slot(self, slot: int, prompt: list[int], outputs: list[int],
+                    stop_ids: Collection[int] = (), logit_bias: tuple[tuple[int, float], ...] = (),
+                    allowed_token_ids: Sequence[int] | None = None,
+                    bad_words_token_ids: Sequence[Sequence[int]] = ()) -> None:
+        """Reset `slot`'s sampler state for a request (admit_inputs' arguments)."""
+        arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, prompt,
+                              outputs, stop_ids, logit_bias, allowed_token_ids, bad_words_token_ids)
         self.penalties = self.admit_program(self.penalties, np.int32(slot), *arrays)
 
     def read_output(self, handle: StepHandle) -> ModelRunnerOutput:
@@ -373,52 +447,106 @@ class ModelRunner:
         step, out = handle.step, handle.out
         if step is None or out is None:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        assert handle.num_logprobs is not None  # set with `out`
         result = sampled_output(step, out, handle.num_logprobs)
         if handle.first_positions is not None:
             self.batch.record_sampled(step.req_ids, step.slots, handle.first_positions,
                                       result.sampled_token_ids)
         if handle.prompt_out is not None:
-            result.prompt_logprobs = prompt_logprobs_output(*handle.prompt_out)
-        if handle.pool_out is not None:
-            sums, rows, every_token = handle.pool_out
-            result.pooler_output = self.pooler.finish(host_array(sums), rows, every_token)
+            result.prompt_logprobs = prompt_logprobs_output(handle.prompt_out)
+        if (pool := handle.pool_out) is not None:
+            result.pooler_output = self.pooler.finish(host_array(pool.sums), pool.rows,
+                                                      pool.every_token)
         f = handle.facts
         result.sample_s, result.num_compiles, result.compile_s = f.sample_s, f.num_compiles, f.compile_s
         return result
 
     # ---- warm-up -----------------------------------------------------------------------
 
-    def sampler_keys(self) -> list[tuple[int, bool]]:
-        """(rows bucket, verify) of every sampler program: request buckets, then the
-        verification sampler's row buckets when speculative decoding is on."""
-        return ([(R, False) for R in self.request_buckets]
-                + [(R, True) for R in self.verify_buckets])
-
-    def state_bytes(self) -> Any:
-        """The runner's own device state besides weights and cache (for KV-cache sizing)."""
+    def state_bytes(self) -> tuple[Any, ...]:
+        """The runner's own device state besides weights and cache (for KV-cache sizing): a
+        pytree of arrays, or of ShapeDtypeStructs in an abstract runner (hence Any)."""
         return (self.last_sampled, self._no_sampled, self.penalties)
 
-    def _warm_up_sampler(self, R: int, mode: SamplerMode, verify: bool, processors: bool,
-                         inp: StepInputs, hidden: Any) -> None:
+    def programs(self, on_first_use: bool = True) -> list[Program]:
+        """Every program the engine runs, with abstract arguments on this runner's meshes (the
+        KV caches and the runner's state are whatever it holds: arrays, or abstract), in the
+        order `warm_up` compiles them, then (`on_first_use`) the variants compiled when a
+        request first needs them (prompt logprobs, pooling, a grammar bitmask). See
+        worker/programs.py."""
+        H, dtype = self.model.cfg.hidden_size, self.model.opts.dtype
+
+        def i32(shape: tuple[int, ...], mesh: Mesh) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+        out: list[Program] = []
+        for T in self.token_buckets:
+            for all_rows in (False, True) if on_first_use else (False,):
+                x = self.last_sampled
+                for st in self.stages:
+                    if st.index > 0:
+                        x = jax.ShapeDtypeStruct((T, H), dtype, sharding=st.replicated)
+                    name = f"forward[T={T}" + (f", stage {st.index}" if len(self.stages) > 1 else "")
+                    if all_rows:
+                        if not st.is_last:
+                            continue
+                        name += ", every token"
+                    fkey = ForwardKey(st.index, T, all_rows)
+                    buf = i32((self.forward_packing(T).size,), st.mesh)
+                    out.append(Program(name + "]", ProgramKind.FORWARD, self.stage_program,
+                                       (fkey, st.params, st.kv_cache, x, buf), st.mesh,
+                                       cache_arg=2, at_warm_up=not all_rows, key=fkey))
+        last = self.stages[-1]
+        hidden = jax.ShapeDtypeStruct((self.num_logit_rows, H), dtype, sharding=last.replicated)
+        words = -(-self.model.cfg.vocab_size // 32)
+        # The request buckets, then the verification sampler's row buckets (speculative decoding).
+        buckets = [(R, False) for R in self.request_buckets] + [(R, True) for R in self.verify_buckets]
+        for R, verify in buckets:
+            kind = ProgramKind.VERIFY if verify else ProgramKind.SAMPLE
+            buf = i32((sampler_packing(R, verify).size,), last.mesh)
+            # Each mode without and with the penalties and logits processors (a step where no row
+            # has one skips their [rows, vocab] passes); a grammar's variant compiles on first use.
+            variants = ((False, False), (True, False), (True, True))[:3 if on_first_use else 2]
+            for mode in SamplerMode:
+                for processors, grammar in variants:
+                    skey = SamplerKey(R, mode, verify, processors, grammar)
+                    extra = (i32((R, words), last.mesh),) if grammar else ()
+                    tag = ", grammar" if grammar else ", processors" if processors else ""
+                    out.append(Program(f"{kind}[R={R}, {mode.value}{tag}]", kind, self.sample_program,
+                                       (skey, self.params, hidden, self.last_sampled, self.penalties,
+                                        buf, *extra), last.mesh, at_warm_up=not grammar, key=skey))
+        if on_first_use:
+            for T in self.token_buckets:
+                every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
+                out.append(Program(f"prompt_logprobs[T={T}]", ProgramKind.PROMPT_LOGPROBS,
+                                   self.prompt_logprobs_program,
+                                   (self.params, every, i32((T,), last.mesh)), last.mesh,
+                                   at_warm_up=False, key=TokensKey(T)))
+                out.append(Program(f"pool[T={T}]", ProgramKind.POOL, self.pool_program,
+                                   (every, i32((T,), last.mesh), self.max_num_seqs), last.mesh,
+                                   at_warm_up=False, key=TokensKey(T)))
+        arrays = admit_inputs(self.batch.max_model_len, self.model.cfg.vocab_size, [], [])
+        out.append(Program("admit", ProgramKind.ADMIT, self.admit_program,
+                           (self.penalties, i32((), last.mesh),
+                            *(abstract_tree(a, last.replicated) for a in arrays)), last.mesh))
+        return out
+
+    # ---- warm-up -----------------------------------------------------------------------
+
+    def _warm_up_sampler(self, key: SamplerKey, inp: StepInputs[np.ndarray],
+                         hidden: jax.Array) -> None:
         """Compile one sampler program on no rows, then time a warm run of it."""
         empty, no_mask = np.zeros(0, np.int32), np.zeros(0, bool)
-        md = (verify_inputs(self.batch, inp, empty, no_mask, empty, [], R) if verify
-              else sampling_inputs(self.batch, empty, no_mask, empty, R)).packed
+        md = (verify_inputs(self.batch, inp, empty, no_mask, empty, [], key.rows) if key.verify
+              else sampling_inputs(self.batch, empty, no_mask, empty, key.rows)).packed
         for timed in (False, True):
             jax.block_until_ready(hidden)
             t = time.perf_counter()
             self.last_sampled, self.penalties, out = self.sample_program(
-                R, mode, verify, processors, self.params, hidden, self.last_sampled,
-                self.penalties, md)
+                key, self.params, hidden, self.last_sampled, self.penalties, md)
             jax.block_until_ready(out)
             if timed:
-                self.sample_time_s[(R, mode, verify, processors)] = time.perf_counter() - t
-
-    def programs(self, on_first_use: bool = True) -> list[Program]:
-        """Every program the engine runs, with abstract arguments on this runner's meshes:
-        what `warm_up` compiles, then (`on_first_use`) the variants compiled when a request
-        first needs them (prompt logprobs, a grammar bitmask). See worker/programs.py."""
-        return runner_programs(self, on_first_use)
+                self.sample_time_s[key] = time.perf_counter() - t
 
     def warm_up(self) -> float:
         """Compile and run once every program `programs(on_first_use=False)` lists, so nothing
@@ -426,21 +554,24 @@ class ModelRunner:
         (request bucket, sampler mode, with and without processors) and the admission.
 
         Runs each on empty inputs (no sequences: attention loops zero times, writes land in the
-        null page, samples on dropped slots): only a call, not `lower().compile()`, fills jit's
-        dispatch cache. Returns the seconds spent."""
+        null page, samples on dropped slots), built from the program's key: only a call, not
+        `lower().compile()`, fills jit's dispatch cache. Returns the seconds spent."""
         t0 = time.perf_counter()
         programs = self.programs(on_first_use=False)
         empty = np.zeros(0, np.int32)
-        inp, hidden = None, None
+        inp: StepInputs[np.ndarray] | None = None
+        hidden: jax.Array | None = None
         # disable=None: a bar on a terminal, nothing in a log file (one line per update there).
         with tqdm(total=len(programs), desc="Compiling buckets", unit="program", disable=None) as bar:
             for p in programs:
-                if p.kind is ProgramKind.FORWARD:
-                    if p.args[0] == 0:  # the first stage's program: one pass runs every stage
-                        inp, _, _ = self.batch.prepare([], empty, p.bucket)
-                        hidden = self._forward(inp)
-                elif p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY):
-                    self._warm_up_sampler(*p.args[:4], inp, hidden)
+                key = p.key
+                if isinstance(key, ForwardKey):
+                    if key.stage == 0:  # the first stage's program: one pass runs every stage
+                        inp = self.batch.prepare([], empty, key.tokens)[0]
+                        hidden = self._forward(inp).rows
+                elif isinstance(key, SamplerKey) and not key.grammar:
+                    assert inp is not None and hidden is not None  # the forwards come first
+                    self._warm_up_sampler(key, inp, hidden)
                 elif p.kind is ProgramKind.ADMIT:
                     self._admit_slot(0, [], [])
                 else:

@@ -47,7 +47,7 @@ class Packing:
         """Host arrays (each of its field's shape) -> one int32 buffer."""
         buf = np.empty(self.size, np.int32)
         for name, _, kind, start, end in self._spans:
-            a = np.asarray(values[name], _KINDS[kind]).reshape(end - start)
+            a: np.ndarray = np.asarray(values[name], _KINDS[kind]).reshape(end - start)
             buf[start:end] = a.astype(np.int32) if kind == "bool" else a.view(np.int32)
         return buf
 

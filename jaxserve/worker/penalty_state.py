@@ -1,13 +1,14 @@
 """The sampler's per-slot state on device (penalties, min_tokens' stop ids, logit biases, the
 tokens a request may never sample, its bad words and its latest outputs), set when a request
-takes its slot and updated by every sampling step."""
+takes its slot and updated by every sampling step; and its rows a step gathers for the
+sampler's logits processors (`LogitsProcessors`)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
 import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,25 @@ ANY_TOKEN, NO_TOKEN = -1, -2
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class LogitsProcessors:
+    """Per-row inputs of the logits processors that come before the penalties
+    (worker/sampler.py applies them): `PenaltyState.processors` gathers a step's rows."""
+
+    stop_mask: jax.Array  # bool[R, V]: ids min_tokens keeps out (EOS, stop_token_ids)
+    bias_ids: jax.Array  # i32[R, B]: logit_bias token ids; V (out of range) = unused
+    bias_values: jax.Array  # f32[R, B]
+    # Structured outputs: i32[R, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed
+    # (all bits set on rows without a grammar); None when no row of the step has one.
+    allowed_bitmask: jax.Array | None = None
+    # allowed_token_ids and bad_words (their layout above); None: none.
+    banned_mask: jax.Array | None = None  # bool[R, V]: never sampled
+    bad_prefixes: jax.Array | None = None  # i32[R, W, P]: a bad word's tokens before its last
+    bad_last: jax.Array | None = None  # i32[R, W]: its last token (V: unused entry)
+    recent: jax.Array | None = None  # i32[R, P]: the row's latest output tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class PenaltyState:
     prompt_mask: jax.Array  # bool[S, V]
     output_counts: jax.Array  # i32[S, V]
@@ -35,10 +55,8 @@ class PenaltyState:
     bad_last: jax.Array  # i32[S, W]: their last tokens; V = unused entry
     recent: jax.Array  # i32[S, BAD_PREFIX_LEN]: the latest output tokens, oldest first
 
-    def processors(self, rows: jax.Array, bitmask: jax.Array | None) -> Any:
+    def processors(self, rows: jax.Array, bitmask: jax.Array | None) -> LogitsProcessors:
         """The sampler's LogitsProcessors for the step's `rows` (slots clipped into range)."""
-        from jaxserve.worker.sampler import LogitsProcessors  # the sampler imports this module
-
         return LogitsProcessors(self.stop_mask[rows], self.bias_ids[rows], self.bias_values[rows],
                                 bitmask, banned_mask=self.banned_mask[rows],
                                 bad_prefixes=self.bad_prefixes[rows],
@@ -48,11 +66,13 @@ class PenaltyState:
     def zeros(cls, num_slots: int, vocab_size: int) -> PenaltyState:
         """Host arrays (NumPy) of an empty state, to be placed on the mesh."""
         S, V, W, P = num_slots, vocab_size, MAX_BAD_WORD_SEQUENCES, BAD_PREFIX_LEN
-        return cls(np.zeros((S, V), bool), np.zeros((S, V), np.int32), np.zeros((S, V), bool),
-                   np.full((S, MAX_LOGIT_BIAS), V, np.int32),
-                   np.zeros((S, MAX_LOGIT_BIAS), np.float32),
-                   np.zeros((S, V), bool), np.full((S, W, P), ANY_TOKEN, np.int32),
-                   np.full((S, W), V, np.int32), np.full((S, P), NO_TOKEN, np.int32))
+        host = (np.zeros((S, V), bool), np.zeros((S, V), np.int32), np.zeros((S, V), bool),
+                np.full((S, MAX_LOGIT_BIAS), V, np.int32),
+                np.zeros((S, MAX_LOGIT_BIAS), np.float32),
+                np.zeros((S, V), bool), np.full((S, W, P), ANY_TOKEN, np.int32),
+                np.full((S, W), V, np.int32), np.full((S, P), NO_TOKEN, np.int32))
+        # The leaves are NumPy until placed (device_put, or abstract for compile-only runners).
+        return cls(*cast(tuple[jax.Array, ...], host))
 
 
 def admit(penalties: PenaltyState, slot, prompt_ids, output_ids, stop_ids, bias_ids,
@@ -84,7 +104,8 @@ def admit_inputs(max_model_len: int, vocab_size: int, prompt: list[int], outputs
                  stop_ids: Collection[int] = (),
                  logit_bias: tuple[tuple[int, float], ...] = (),
                  allowed_token_ids: Sequence[int] | None = None,
-                 bad_words_token_ids: Sequence[Sequence[int]] = ()) -> tuple[np.ndarray, ...]:
+                 bad_words_token_ids: Sequence[Sequence[int]] = ()
+                 ) -> tuple[np.ndarray | np.bool_, ...]:
     """`admit`'s id and bias arrays, padded to fixed shapes (one compiled program)."""
     L, V = max_model_len, vocab_size
     prompt_ids = np.full(L, V, np.int32)

@@ -18,6 +18,7 @@ from the step's hidden states on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,14 @@ class PoolingRows:
     first_row: int = -1
 
 
+class PoolSegments(NamedTuple):
+    """A step's pooling work on the host: each token row's segment (`pool_sums`' input; out
+    of range: dropped) and the step's pooling requests."""
+
+    segments: np.ndarray  # i32[T]
+    rows: list[PoolingRows]
+
+
 class Pooler:
     """The worker's embedding requests (their PoolingParams) and their partial sums; a
     classifier's head (float32 [num_labels, H]) and config for classify and score."""
@@ -81,8 +90,7 @@ class Pooler:
         return any(r.first_row >= 0 for r in rows)
 
     def segments(self, req_ids: list[str], kv_lens: np.ndarray, cu_q_lens: np.ndarray,
-                 num_prompt_tokens: np.ndarray, T: int
-                 ) -> tuple[np.ndarray, list[PoolingRows]] | None:
+                 num_prompt_tokens: np.ndarray, T: int) -> PoolSegments | None:
         """Each token row's segment (`pool_sums`' input) and the step's pooling requests, or
         None when the step has none. Request i's chunk covers positions
         [kv_lens[i] - its tokens, kv_lens[i]); only prompt positions are pooled."""
@@ -110,7 +118,7 @@ class Pooler:
             if hi > lo or end >= P:
                 at = start_tok + lo - first if params.task == "token_embed" else -1
                 rows.append(PoolingRows(req_id, k, max(hi - lo, 0), end >= P, P, params, at))
-        return (seg, rows) if rows else None
+        return PoolSegments(seg, rows) if rows else None
 
     def finish(self, sums: np.ndarray, rows: list[PoolingRows], hidden: jax.Array | None = None
                ) -> dict[str, list[float] | list[list[float]]]:
@@ -119,14 +127,14 @@ class Pooler:
         the device) when `wants_rows`. A request removed while the step was in flight
         (aborted, or preempted: it restarts from scratch) is skipped."""
         done: dict[str, list[float] | list[list[float]]] = {}
-        hidden = None if hidden is None else host_array(hidden)
+        every = None if hidden is None else host_array(hidden)
         for r in rows:
             if r.req_id not in self.requests:
                 continue
             if r.params.task == "token_embed":
-                assert hidden is not None
+                assert every is not None
                 got = self._rows.setdefault(r.req_id, [])
-                got.append(hidden[r.first_row:r.first_row + r.count].astype(np.float32))
+                got.append(every[r.first_row:r.first_row + r.count].astype(np.float32))
                 if r.final:
                     done[r.req_id] = self._token_vectors(self._rows.pop(r.req_id), r.params)
                 continue

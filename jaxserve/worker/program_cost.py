@@ -27,7 +27,7 @@ from typing import Any
 
 import kernels_pallas
 from jaxserve.roofline import Row
-from jaxserve.worker.programs import Program, ProgramKind, compile_programs
+from jaxserve.worker.programs import Program, ProgramKind, SamplerKey, compile_programs
 from jaxserve.worker.sampler import SamplerMode
 
 Cost = tuple[float, float]  # (flops, bytes accessed), per device
@@ -42,7 +42,7 @@ def _total(results: list[Any]) -> Cost | None:
 
 
 def forward_costs(worker: Any, num_pages: int, buckets: list[int], programs: list[Program],
-                  compiled: list[Any], options: dict[str, Any] | None, threads: int | None
+                  compiled: list[Any], options: dict[str, Any] | None, threads: int
                   ) -> tuple[dict[int, Cost | None], float]:
     """Each token bucket's forward cost, all stages: the compiled programs themselves where the
     layers are unrolled, else an unrolled copy compiled here; and the seconds that took."""
@@ -86,7 +86,7 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
 
 def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Program],
                 compiled: list[Any], options: dict[str, Any] | None,
-                threads: int | None) -> tuple[list[Row], float]:
+                threads: int) -> tuple[list[Row], float]:
     """`rows` with `compiled_bytes` / `compiled_flops` (None where a program is not costed or
     the step needs more tokens than the largest bucket), and the seconds its compiles took.
     `compiled`: each of `programs`' results with `flops` and `bytes_accessed` (the preflight's
@@ -95,8 +95,8 @@ def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Pro
     forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
     greedy: dict[int, Cost | None] = {}
     for p, c in zip(programs, compiled):
-        if p.kind is ProgramKind.SAMPLE and p.group == (p.kind, SamplerMode.GREEDY, False, False):
-            greedy[p.args[0]] = _total([c])
+        if isinstance(p.key, SamplerKey) and p.key.alike() == SamplerKey(0, SamplerMode.GREEDY, False, False):
+            greedy[p.key.rows] = _total([c])
     tp = worker.config.parallel_config.tensor_parallel_size
     out = []
     for r in rows:

@@ -3,7 +3,8 @@
 `ModelRunner.programs()` lists every program the engine runs (each forward token bucket and
 pipeline stage, the sampler in every mode and request bucket, the verification sampler, and the
 variants compiled on first use: prompt logprobs, pooling, grammar bitmasks) with abstract arguments
-(`jax.ShapeDtypeStruct`s carrying their shardings). `compile_program` runs the real compiler
+(`jax.ShapeDtypeStruct`s carrying their shardings) and its key (`ForwardKey`, `SamplerKey`,
+`TokensKey`): the static variant warm-up runs, sizing groups and the sampler's timings name. `compile_program` runs the real compiler
 for the arguments' devices, which may be compile-only TPU topologies or CUDA target specs
 (jaxserve/preflight.py), and reads back what the device would hold:
 
@@ -20,25 +21,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxserve.worker.penalty_state import admit_inputs
 from jaxserve.worker.sampler import SamplerMode
-from jaxserve.worker.sampler_inputs import sampler_packing
-
-if TYPE_CHECKING:
-    from jaxserve.worker.model_runner import ModelRunner
-
 
 COMPILE_THREAD_STACK_BYTES = 512 << 20
 
@@ -55,18 +50,82 @@ class ProgramKind(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
+class ForwardKey:
+    """A forward program's static variant (`ModelRunner.stage_fn`'s first argument)."""
+
+    stage: int  # the pipeline stage
+    tokens: int  # the token bucket
+    all_rows: bool = False  # also every token's final states (prompt logprobs, pooling)
+
+    @property
+    def bucket(self) -> int:
+        return self.tokens
+
+    def alike(self) -> ForwardKey:
+        """The key of every bucket of this variant."""
+        return dataclasses.replace(self, tokens=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerKey:
+    """A sampler program's static variant (`ModelRunner.sample_fn`'s first argument), and
+    the key of the sampler's warm-up timings (`ModelRunner.sample_time_s`)."""
+
+    rows: int  # the sampled-rows bucket
+    mode: SamplerMode
+    verify: bool  # the rejection sampler (speculative decoding)
+    processors: bool  # the penalties and logits processors run (sampler.needs_processors)
+    grammar: bool = False  # a grammar bitmask argument (one of the processors)
+
+    @property
+    def bucket(self) -> int:
+        return self.rows
+
+    def alike(self) -> SamplerKey:
+        return dataclasses.replace(self, rows=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensKey:
+    """A program over every token row of a bucket (prompt logprobs, pooling)."""
+
+    tokens: int
+
+    @property
+    def bucket(self) -> int:
+        return self.tokens
+
+    def alike(self) -> TokensKey:
+        return TokensKey(0)
+
+
+ProgramKey = ForwardKey | SamplerKey | TokensKey
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled program of the engine, with abstract (or concrete) arguments."""
 
     name: str  # e.g. "forward[T=512]", "sample[R=64, greedy]"
     kind: ProgramKind
-    fn: Callable[..., Any]  # the jitted function the runner dispatches
-    args: tuple[Any, ...]  # static values and ShapeDtypeStructs / arrays
+    fn: jax.stages.Wrapped  # the jitted function the runner dispatches
+    # Its arguments: static values (a forward's or a sampler's first: its key) and pytrees of
+    # ShapeDtypeStructs or arrays (a table of programs of every signature: Any).
+    args: tuple[Any, ...]
     mesh: Mesh
     cache_arg: int | None = None  # index of the donated KV cache in `args`, if any
     at_warm_up: bool = True  # False: compiled on first use (a request kind that needs it)
-    bucket: int = 0  # its token or row bucket
-    group: tuple[Any, ...] = ()  # programs alike but for the bucket (sizing takes the largest)
+    key: ProgramKey | None = None  # its static variant (None: the admission, or a test's)
+
+    @property
+    def bucket(self) -> int:
+        """Its token or row bucket (0: none)."""
+        return self.key.bucket if self.key is not None else 0
+
+    @property
+    def group(self) -> tuple[ProgramKind, ProgramKey | None]:
+        """Programs alike but for the bucket share it (sizing takes the largest)."""
+        return self.kind, self.key.alike() if self.key is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +201,7 @@ def without_persistent_cache() -> Iterator[None]:
     back. JAX decides once per process whether it caches, hence the resets."""
     from jax._src import compilation_cache
 
-    was = jax.config.jax_enable_compilation_cache
+    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at run time
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
@@ -170,8 +229,10 @@ def compile_lowered(program: Program, lowered: jax.stages.Lowered,
         compiled = lowered.compile(compiler_options or None)
     seconds = lower_s + time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    if mem is None:  # every backend jaxserve compiles for reports it; KV sizing depends on it
+        raise RuntimeError(f"{program.name}: the compiler reported no memory analysis")
     cache = program.args[program.cache_arg] if program.cache_arg is not None else None
-    copies = count_cache_copies(compiled.as_text(), cache) if cache is not None else 0
+    copies = count_cache_copies(compiled.as_text() or "", cache) if cache is not None else 0
     flops, bytes_accessed = cost_analysis(compiled)
     report = CompiledProgram(
         program.name, program.kind, program.at_warm_up, seconds,
@@ -204,72 +265,13 @@ def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
     return (None if flops is None else float(flops)), (None if nbytes is None else float(nbytes))
 
 
-def runner_programs(runner: ModelRunner, on_first_use: bool = True) -> list[Program]:
-    """`ModelRunner.programs()`: the runner's program table, in the order warm-up compiles
-    them, then (`on_first_use`) the variants compiled when a request first needs them. The
-    KV caches and the runner's state are whatever the runner holds (arrays, or abstract)."""
-    out: list[Program] = []
-    i32 = lambda shape, mesh: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-    H, dtype = runner.model.cfg.hidden_size, runner.model.opts.dtype
-    for T in runner.token_buckets:
-        for all_rows in (False, True) if on_first_use else (False,):
-            x = runner.last_sampled
-            for st in runner.stages:
-                if st.index > 0:
-                    x = jax.ShapeDtypeStruct((T, H), dtype, sharding=st.replicated)
-                name = f"forward[T={T}" + (f", stage {st.index}" if len(runner.stages) > 1 else "")
-                if all_rows:
-                    if not st.is_last:
-                        continue
-                    name += ", every token"
-                buf = i32((runner.forward_packing(T).size,), st.mesh)
-                out.append(Program(name + "]", ProgramKind.FORWARD, runner.stage_program,
-                                   (st.index, T, all_rows, st.params, st.kv_cache, x, buf),
-                                   st.mesh, cache_arg=4, at_warm_up=not all_rows, bucket=T,
-                                   group=(ProgramKind.FORWARD, st.index, all_rows)))
-    last = runner.stages[-1]
-    hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), dtype, sharding=last.replicated)
-    words = -(-runner.model.cfg.vocab_size // 32)
-    for R, verify in runner.sampler_keys():
-        buf = i32((sampler_packing(R, verify).size,), last.mesh)
-        # Each mode without and with the penalties and logits processors (a step where no row
-        # has one skips their [rows, vocab] passes); a grammar's variant compiles on first use.
-        variants = ((False, False), (True, False), (True, True))[:3 if on_first_use else 2]
-        for mode in SamplerMode:
-            for processors, grammar in variants:
-                kind = ProgramKind.VERIFY if verify else ProgramKind.SAMPLE
-                extra = (i32((R, words), last.mesh),) if grammar else ()
-                tag = ", grammar" if grammar else ", processors" if processors else ""
-                out.append(Program(f"{kind}[R={R}, {mode.value}{tag}]", kind, runner.sample_program,
-                                   (R, mode, verify, processors, runner.params, hidden,
-                                    runner.last_sampled, runner.penalties, buf, *extra),
-                                   last.mesh, at_warm_up=not grammar, bucket=R,
-                                   group=(kind, mode, processors, grammar)))
-    if on_first_use:
-        for T in runner.token_buckets:
-            every = jax.ShapeDtypeStruct((T, H), dtype, sharding=last.replicated)
-            out.append(Program(f"prompt_logprobs[T={T}]", ProgramKind.PROMPT_LOGPROBS,
-                               runner.prompt_logprobs_program, (runner.params, every, i32((T,), last.mesh)),
-                               last.mesh, at_warm_up=False, bucket=T,
-                               group=(ProgramKind.PROMPT_LOGPROBS,)))
-            out.append(Program(f"pool[T={T}]", ProgramKind.POOL, runner.pool_program,
-                               (every, i32((T,), last.mesh), runner.max_num_seqs), last.mesh,
-                               at_warm_up=False, bucket=T, group=(ProgramKind.POOL,)))
-    arrays = admit_inputs(runner.batch.max_model_len, runner.model.cfg.vocab_size, [], [])
-    out.append(Program("admit", ProgramKind.ADMIT, runner.admit_program,
-                       (runner.penalties, i32((), last.mesh),
-                        *(abstract(a, last.replicated) for a in arrays)), last.mesh))
-    return out
-
-
 def compile_programs(programs: list[Program], compiler_options: dict[str, Any] | None = None,
                      threads: int = 1) -> list[CompiledProgram | BaseException]:
     """`compile_program` for each, in order; a failed trace or compile is its exception.
     Programs are traced and lowered one after another on this thread; with `threads` > 1 their
     compiles (outside the GIL) run in that many threads while the next ones are lowered."""
     if threads <= 1:
-        return [_result(lambda: compile_program(p, compiler_options)[0]) for p in programs]
+        return [_result(functools.partial(_compile_one, p, compiler_options)) for p in programs]
     # The TPU compiler recurses deeply (tpu7x's SparseCore lowering overflowed a default
     # 8 MiB thread stack): give the compile threads the room a main thread has and more.
     previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
@@ -290,6 +292,10 @@ def compile_programs(programs: list[Program], compiler_options: dict[str, Any] |
         threading.stack_size(previous)
 
 
+def _compile_one(program: Program, compiler_options: dict[str, Any] | None) -> CompiledProgram:
+    return compile_program(program, compiler_options)[0]
+
+
 def _compile_report(program: Program, lowered: jax.stages.Lowered,
                     compiler_options: dict[str, Any] | None, lower_s: float) -> CompiledProgram:
     return compile_lowered(program, lowered, compiler_options, lower_s)[0]
@@ -307,12 +313,13 @@ def sizing_programs(programs: list[Program]) -> list[Program]:
     (per stage), of the filtered-mode samplers (top-k/top-p sort: the largest temp of the
     modes) and of prompt logprobs. Only the forwards take the KV cache; the others are the
     very programs warm-up and first use compile (JAX's persistent cache serves them again)."""
-    largest: dict[tuple[Any, ...], Program] = {}
+    largest: dict[tuple[ProgramKind, ProgramKey | None], Program] = {}
     for p in programs:
+        key = p.key
         wanted = ((p.kind is ProgramKind.FORWARD and p.at_warm_up)
                   or p.kind is ProgramKind.PROMPT_LOGPROBS
-                  or (p.kind in (ProgramKind.SAMPLE, ProgramKind.VERIFY)
-                      and p.group == (p.kind, SamplerMode.FILTERED, True, False)))
+                  or (isinstance(key, SamplerKey) and key.mode is SamplerMode.FILTERED
+                      and key.processors and not key.grammar))
         if wanted and (p.group not in largest or p.bucket > largest[p.group].bucket):
             largest[p.group] = p
     return list(largest.values())

@@ -25,8 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.worker.penalty_state import LogitsProcessors
 from jaxserve.worker.sampler import (
-    LogitsProcessors,
     SamplerMode,
     SamplerOutput,
     SamplingMetadata,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS  # top-N returned at most
-from jaxserve.worker.penalty_state import ANY_TOKEN
+from jaxserve.worker.penalty_state import ANY_TOKEN, LogitsProcessors
 
 _NEG_INF = -jnp.inf
 
@@ -47,7 +47,7 @@ class SamplerMode(enum.Enum):
     FILTERED = "filtered"  # some rows sample with top-k, top-p or min-p
 
     @classmethod
-    def for_batch(cls, temperature, top_k, top_p, min_p) -> "SamplerMode":
+    def for_batch(cls, temperature, top_k, top_p, min_p) -> SamplerMode:
         """From the real rows' host (NumPy) parameters."""
         if not (temperature > 0).any():
             return cls.GREEDY
@@ -85,24 +85,6 @@ class SamplingMetadata:
     # bool; the row's request asks for logprobs. None: every row does. A step where no row
     # does skips the log-sum-exp, top-N and rank passes over the vocabulary.
     logprobs: jax.Array | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class LogitsProcessors:
-    """Per-row inputs of the logits processors that come before the penalties."""
-
-    stop_mask: jax.Array  # bool[R, V]: ids min_tokens keeps out (EOS, stop_token_ids)
-    bias_ids: jax.Array  # i32[R, B]: logit_bias token ids; V (out of range) = unused
-    bias_values: jax.Array  # f32[R, B]
-    # Structured outputs: i32[R, ceil(V / 32)], bit t % 32 of word t // 32 = token t allowed
-    # (all bits set on rows without a grammar); None when no row of the step has one.
-    allowed_bitmask: jax.Array | None = None
-    # allowed_token_ids and bad_words (worker/penalty_state.py has their layout); None: none.
-    banned_mask: jax.Array | None = None  # bool[R, V]: never sampled
-    bad_prefixes: jax.Array | None = None  # i32[R, W, P]: a bad word's tokens before its last
-    bad_last: jax.Array | None = None  # i32[R, W]: its last token (V: unused entry)
-    recent: jax.Array | None = None  # i32[R, P]: the row's latest output tokens
 
 
 @jax.tree_util.register_dataclass
@@ -167,6 +149,7 @@ def apply_logits_processors(logits: jax.Array, md: SamplingMetadata,
     if lp.banned_mask is not None:
         logits = jnp.where(lp.banned_mask, _NEG_INF, logits)
     if lp.bad_prefixes is not None:
+        assert lp.recent is not None and lp.bad_last is not None  # set together (PenaltyState)
         p = lp.bad_prefixes
         match = jnp.all((p == ANY_TOKEN) | (p == lp.recent[:, None, :]), axis=-1)  # [R, W]
         ids = jnp.where(match, lp.bad_last, logits.shape[-1])

@@ -9,7 +9,7 @@ kv_len - k + j and verifies draft j (none on the last row).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def sampling_inputs(b: InputBatch, slots: np.ndarray, samples: np.ndarray,
     of each row's sampled token."""
     n, S = len(slots), b.max_num_seqs
 
-    def rows(a: np.ndarray, fill: Any) -> np.ndarray:
+    def rows(a: np.ndarray, fill: float) -> np.ndarray:
         out = np.full(R, fill, a.dtype)
         out[:n] = a[slots]
         return out
@@ -94,7 +94,7 @@ def verify_inputs(b: InputBatch, inp: StepInputs, slots: np.ndarray, samples: np
                            {"draft_ids": draft_ids, "group_first": group_first})
 
 
-def grammar_bitmask(masks: dict[str, Any], req_ids: list[str], per_req: np.ndarray | None,
+def grammar_bitmask(masks: dict[str, np.ndarray] | None, req_ids: list[str], per_req: np.ndarray | None,
                     num_rows: int, vocab_size: int) -> np.ndarray | None:
     """The step's allowed-token words per sampled row, from the engine core's per-request
     grammar masks (None without any: the sampler then runs without a mask argument)."""

@@ -9,18 +9,20 @@ in the live counters: after warm-up that number should stay 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
+import jax
 import numpy as np
 from jax import monitoring
 
 from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 
-if TYPE_CHECKING:
-    import jax
-
+if TYPE_CHECKING:  # types only: the pooler imports this module (host_array)
+    from jaxserve.worker.input_batch import StepInputs
     from jaxserve.worker.model_runner import ModelRunner
+    from jaxserve.worker.pooler import PoolingRows, PoolSegments
     from jaxserve.worker.sampler import SamplerOutput
+    from jaxserve.worker.sampler_inputs import SamplerInputs
 
 
 class CompileMonitor:
@@ -38,10 +40,10 @@ class CompileMonitor:
             cls._registered = True
 
     @classmethod
-    def _on_event(cls, name: str, secs: float, **_: Any) -> None:
-        if name.startswith("/jax/core/compile/"):
-            cls.seconds += secs
-            if name == "/jax/core/compile/jaxpr_trace_duration":
+    def _on_event(cls, event: str, duration_secs: float, **_: str | int) -> None:
+        if event.startswith("/jax/core/compile/"):
+            cls.seconds += duration_secs
+            if event == "/jax/core/compile/jaxpr_trace_duration":
                 cls.count += 1  # one per program built (cached on disk or not)
 
 
@@ -54,20 +56,59 @@ class StepFacts:
     compile_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Where one request's prompt-logprob rows sit in a step: flat token rows
+    [start, start + count) give prompt positions first.. (each row predicts the next token)."""
+
+    req_id: str
+    first_position: int
+    start: int
+    count: int
+    num_logprobs: int
+
+
+class PromptLogprobTargets(NamedTuple):
+    """A step's prompt-logprob work on the host: each token row's target (the next prompt
+    token; 0 on rows no request asked for) and the requests' rows."""
+
+    targets: np.ndarray  # i32[T]
+    rows: list[PromptLogprobRows]
+
+
+@dataclass(frozen=True)
+class PromptLogprobsOut:
+    """The prompt-logprobs program's outputs (on the device) and the rows they answer."""
+
+    token_ids: jax.Array  # i32[T, 1 + MAX_LOGPROBS]: the target, then the top-N
+    logprobs: jax.Array  # f32[T, 1 + MAX_LOGPROBS]
+    ranks: jax.Array  # i32[T]: the target's rank
+    rows: list[PromptLogprobRows]
+
+
+@dataclass(frozen=True)
+class PoolOut:
+    """The pooling program's outputs (on the device) and the pooling requests they answer."""
+
+    sums: jax.Array  # f32[max_num_seqs, H]: `pool_sums` per pooling request
+    rows: list[PoolingRows]
+    every_token: jax.Array | None  # [T, H] final states, when token_embed reads them
+
+
 @dataclass
 class PreparedStep:
     """One step between its phases (ModelRunner: prepare -> forward -> sampler -> handle)."""
 
     req_ids: list[str]  # the scheduled requests, in batch order
-    inp: Any  # StepInputs: padded token ids, positions, slot mapping, pages, ...
+    inp: StepInputs[np.ndarray]  # padded token ids, positions, slot mapping, pages, ...
     slots: np.ndarray  # each request's batch slot
     samples: np.ndarray  # whether each request samples a token this step
     T: int  # the token bucket
     R: int  # the sampled-rows bucket
-    sampler: Any  # SamplerInputs: the packed per-row inputs, the mode, processors or not
+    sampler: SamplerInputs  # the packed per-row inputs, the mode, processors or not
     per_req: np.ndarray | None  # rows per request in a verification step (None: one each)
-    prompt: tuple[Any, list[Any]] | None  # prompt-logprob targets and rows, if any asked
-    pool: tuple[np.ndarray, list[Any]] | None = None  # Pooler.segments: embedding requests
+    prompt: PromptLogprobTargets | None  # prompt-logprob targets and rows, if any asked
+    pool: PoolSegments | None = None  # Pooler.segments: embedding requests
 
     @property
     def verify(self) -> bool:
@@ -83,9 +124,8 @@ class StepHandle:
     step: PreparedStep | None  # None: nothing was scheduled
     out: SamplerOutput | None = None
     num_logprobs: np.ndarray | None = None  # each request's top-logprobs count (-1: none)
-    prompt_out: tuple[Any, list[PromptLogprobRows]] | None = None
-    # pool_sums' output, the PoolingRows, and the every-token states when token_embed reads them
-    pool_out: tuple[Any, list[Any], Any] | None = None
+    prompt_out: PromptLogprobsOut | None = None
+    pool_out: PoolOut | None = None
     facts: StepFacts = field(default_factory=StepFacts)
     # Each request's first sampled position, when the batch keeps sampled tokens (n-gram drafts).
     first_positions: np.ndarray | None = None
@@ -95,20 +135,6 @@ class StepHandle:
         if self._result is None:
             self._result = self.runner.read_output(self)
         return self._result
-
-
-@dataclass(frozen=True)
-class PromptLogprobRows:
-    """Where one request's prompt-logprob rows sit in a step: flat token rows
-    [start, start + count) give prompt positions first.. (each row predicts the next token)."""
-
-    req_id: str
-    first_position: int
-    start: int
-    count: int
-    num_logprobs: int
-
-
 
 
 def host_array(x: jax.Array) -> np.ndarray:
@@ -126,13 +152,15 @@ def sampled_output(step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndar
     if per_req is None:
         tokens = host_array(out.sampled)[:n].tolist()
         sampled = [[t] if s else [] for t, s in zip(tokens, samples)]
-        first: Any = slice(0, n)
+        first: slice | np.ndarray = slice(0, n)
     else:
+        assert out.emitted is not None  # the rejection sampler's
         ends = np.cumsum(per_req)
-        first = ends - per_req
+        starts = ends - per_req
         tok, emitted = host_array(out.sampled)[: ends[-1]], host_array(out.emitted)[: ends[-1]]
         sampled = [tok[a:b][emitted[a:b]].tolist() if s else []
-                   for a, b, s in zip(first.tolist(), ends.tolist(), samples)]
+                   for a, b, s in zip(starts.tolist(), ends.tolist(), samples)]
+        first = starts
     logprobs = None
     if (num_logprobs >= 0).any():
         ids = host_array(out.logprob_token_ids)[first]
@@ -148,12 +176,11 @@ def sampled_output(step: PreparedStep, out: SamplerOutput, num_logprobs: np.ndar
                              sampled_token_ids=sampled, logprobs=logprobs)
 
 
-def prompt_logprobs_output(out: Any, rows: list[PromptLogprobRows]
-                           ) -> dict[str, tuple[int, LogprobsLists]]:
+def prompt_logprobs_output(out: PromptLogprobsOut) -> dict[str, tuple[int, LogprobsLists]]:
     """Each prompt_logprobs request's rows on the host: (first position, logprobs)."""
-    ids, lps, ranks = (host_array(a) for a in out)
+    ids, lps, ranks = host_array(out.token_ids), host_array(out.logprobs), host_array(out.ranks)
     result = {}
-    for r in rows:
+    for r in out.rows:
         sl, k = slice(r.start, r.start + r.count), 1 + r.num_logprobs
         result[r.req_id] = (r.first_position, LogprobsLists(
             ids[sl, :k].tolist(), lps[sl, :k].tolist(), ranks[sl].tolist()))

@@ -9,9 +9,10 @@ memory analysis of the largest programs (worker/kv_sizing.py); on the CPU from a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -20,26 +21,24 @@ import numpy as np
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
 import kernels_pallas.int8_matmul as int8_kernel
-from jaxserve.config import EngineConfig, WeightFormat
+from jaxserve.config import EngineConfig, ResolvedConfig, WeightFormat
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
-from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.engine_core.sched_output import SchedulerOutput
-from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.engine_core.spec_decode import MAX_DRAFT_TOKENS_PER_STEP
 from jaxserve.models import ArchConfig
 from jaxserve.models.attention import ModelOptions, kv_cache_layout
 from jaxserve.models.loaders import load_checkpoint, read_arch
 from jaxserve.models.loaders.hf import load_score_head
-from jaxserve.models.quantization import GROUP_SIZE, pack_params, param_bytes, quantize_params
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
+from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
+from jaxserve.models.quantization import GROUP_SIZE, pack_params, param_bytes, quantize_params
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages, random_weights
-from jaxserve.parallel.sharding import (
-    adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings)
+from jaxserve.parallel.sharding import adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
-from jaxserve.worker.kv_sizing import (MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache,
-                                       refuse_too_few_pages)
+from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache, refuse_too_few_pages
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
@@ -91,6 +90,11 @@ JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.f
 
 
 class Worker:
+    # Set by load_model / load_abstract_model.
+    stages: list[Stage]
+    arch: ArchConfig  # the checkpoint's
+    run_arch: ArchConfig  # with the head counts tensor parallelism divides
+
     def __init__(self, config: EngineConfig, model_files: ModelFiles | None = None,
                  devices: list[jax.Device] | None = None) -> None:
         """`config`: resolved (jaxserve/engine/resolve.py) for these `devices`: the process's
@@ -129,13 +133,19 @@ class Worker:
         self.sizing_programs: list[CompiledProgram] = []
         self.score_head: np.ndarray | None = None  # a classifier's head, on the host
 
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """The settings the resolution stage decided (__init__ refuses a config without)."""
+        assert self.config.resolved is not None
+        return self.config.resolved
+
     def load_model(self) -> None:
         t0 = time.perf_counter()
         if self.config.model_config.load_format == "dummy":
             self.load_abstract_model()
             self.stages = [dataclasses.replace(st, params=random_weights(st.params, i))
                            for i, st in enumerate(self.stages)]
-            if (head := self.config.resolved.classifier) is not None:
+            if (head := self.resolved.classifier) is not None:
                 self.score_head = np.random.default_rng(0).normal(
                     0, 0.02, (head.num_labels, self.arch.hidden_size)).astype(np.float32)
             self.timings["load_s"] = time.perf_counter() - t0
@@ -150,7 +160,7 @@ class Worker:
         self.stages = build_stages(self.run_arch, host_params, self.mesh, self.model_options)
         self.weight_bytes = sum(param_bytes(st.params) for st in self.stages)
         self.weight_matmul = weight_matmul_path(self.weight_format, self.platform, tp)
-        if (head := self.config.resolved.classifier) is not None:
+        if (head := self.resolved.classifier) is not None:
             self.score_head = load_score_head(self.model_files.path, head, self.arch.hidden_size)
         self.timings["load_s"] = time.perf_counter() - t0
 
@@ -181,13 +191,13 @@ class Worker:
         read_as_int8 = quantized and not _needs_head_adaptation(files, tp)
         return load_checkpoint(files, self.dtype,
                                self.weight_format if read_as_int8 else WeightFormat.FLOAT,
-                               self.config.resolved.experts_weight_format)
+                               self.resolved.experts_weight_format)
 
     @property
     def kv_layout(self) -> kernels_pallas.KVCacheLayout:
         """One device's cache layout (kernels_pallas/kv_cache.py)."""
         return kv_cache_layout(self.run_arch, self.attention_backend,
-                               self.config.resolved.kv_cache_dtype,
+                               self.resolved.kv_cache_dtype,
                                self.config.parallel_config.tensor_parallel_size)
 
     def page_bytes(self) -> int:
@@ -269,7 +279,8 @@ class Worker:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         stages = self.stages
         if abstract:
-            stages = [dataclasses.replace(st, kv_cache=self._cache_struct(st, num_blocks))
+            # An abstract runner's cache is its ShapeDtypeStruct (Stage types the real one).
+            stages = [dataclasses.replace(st, kv_cache=cast(jax.Array, self._cache_struct(st, num_blocks)))
                       for st in self.stages]
         return ModelRunner(
             stages,
@@ -288,13 +299,13 @@ class Worker:
             logprobs_branch=self.platform == "cpu",
             radix_bits=(SAMPLER_RADIX_BITS_CPU if self.platform == "cpu"
                         else SAMPLER_RADIX_BITS_DEVICE),
-            pooler=Pooler(sc.max_num_seqs, self.score_head, self.config.resolved.classifier),
+            pooler=Pooler(sc.max_num_seqs, self.score_head, self.resolved.classifier),
         )
 
     def initialize_cache(self, num_blocks: int) -> None:
         for st in self.stages:
             spec = self._cache_struct(st, num_blocks)
-            st.kv_cache = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
+            st.kv_cache = jax.jit(functools.partial(jnp.zeros, spec.shape, spec.dtype),
                                   out_shardings=spec.sharding)()
         self.num_blocks = num_blocks
         self.runner = self.make_runner(num_blocks)

@@ -233,7 +233,7 @@ def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> N
     bytes, and the scanned forward's temp is at most 2% of the weights (tpu7x once copied the
     whole layer stack each step). Only the programs those take are compiled (CI's time)."""
     from jaxserve.preflight import make_parser, run_preflight, validate
-    from jaxserve.worker.programs import ProgramKind
+    from jaxserve.worker.programs import ProgramKind, SamplerKey
     from jaxserve.worker.sampler import SamplerMode
 
     args = make_parser().parse_args([
@@ -241,10 +241,9 @@ def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> N
         "--max-num-batched-tokens", "16", "--max-model-len", "1024",
         "--num-gpu-blocks-override", "1024"])
     targets, config, files, _ = validate(args)
-    greedy = (ProgramKind.SAMPLE, SamplerMode.GREEDY, False, False)
+    greedy = SamplerKey(16, SamplerMode.GREEDY, verify=False, processors=False)
     report = run_preflight(config, targets[0], files, on_first_use=False, roofline=True,
-                           only=lambda p: p.kind is ProgramKind.FORWARD
-                           or (p.group == greedy and p.bucket == 16))
+                           only=lambda p: p.kind is ProgramKind.FORWARD or p.key == greedy)
     names = [p.name for p in report.programs]
     assert report.ok and names == ["forward[T=16]", "sample[R=16, greedy]"], (
         report.error, [p.error for p in report.programs])
@@ -286,9 +285,9 @@ def test_attention_kernels_compile_per_generation() -> None:
                 def step(cache, q, k, v, slots, kv_lens, pages, cu, n, layout=layout, opts=opts):
                     cache = kernels_pallas.update_kv_cache(cache, k, v, slots, backend="tpu",
                                                            layout=layout)
+                    spec = kernels_pallas.AttentionSpec(sm_scale=d ** -0.5, layout=layout, **opts)
                     return kernels_pallas.ragged_paged_attention(
-                        q, cache, kv_lens, pages, cu, n, sm_scale=d ** -0.5, backend="tpu",
-                        layout=layout, **opts), cache
+                        q, cache, kv_lens, pages, cu, n, spec=spec, backend="tpu"), cache
 
                 a = lambda s, t=jnp.int32: jax.ShapeDtypeStruct(s, t, sharding=rep)  # noqa: E731
                 bf = jnp.bfloat16 if dtype != "float32" else jnp.float32
@@ -315,6 +314,7 @@ def test_gpu_register_spills_fail_the_compile() -> None:
     from jaxserve.preflight import GPU_COMPILER_OPTIONS
     from jaxserve.worker.programs import without_persistent_cache
     from jaxserve.worker.targets import make_devices
+    from kernels_pallas import AttentionSpec
     from kernels_pallas.ragged_paged_attention import gpu
 
     on = SingleDeviceSharding(make_devices(parse_target("h200"), 1)[0])
@@ -323,7 +323,8 @@ def test_gpu_register_spills_fail_the_compile() -> None:
             a((64, 512)), a((65,)), a((1,)))
 
     def compile_with(**tuning):
-        fn = jax.jit(lambda *x: gpu.ragged_paged_attention(*x, sm_scale=0.1, **tuning))
+        fn = jax.jit(lambda *x: gpu.ragged_paged_attention(
+            *x, spec=AttentionSpec(sm_scale=0.1), tuning=gpu.GpuTuning(**tuning)))
         return fn.trace(*args).lower().compile(GPU_COMPILER_OPTIONS)
 
     with without_persistent_cache():  # compile-only executables cannot be read back
@@ -343,6 +344,7 @@ def test_head_dim_256_sliding_window_over_a_large_cache_compiles_for_h100() -> N
     from jaxserve.preflight import GPU_COMPILER_OPTIONS
     from jaxserve.worker.programs import without_persistent_cache
     from jaxserve.worker.targets import make_devices
+    from kernels_pallas import AttentionSpec
     from kernels_pallas.ragged_paged_attention import gpu
 
     on = SingleDeviceSharding(make_devices(parse_target("h100"), 1)[0])
@@ -351,12 +353,13 @@ def test_head_dim_256_sliding_window_over_a_large_cache_compiles_for_h100() -> N
             a((64, 2048)), a((65,)), a((1,)))
     with without_persistent_cache():
         for window in (1024, None):
-            fn = jax.jit(lambda *x: gpu.ragged_paged_attention(*x, sm_scale=0.0625,
-                                                               sliding_window=window))
+            spec = AttentionSpec(sm_scale=0.0625, sliding_window=window)
+            fn = jax.jit(lambda *x, spec=spec: gpu.ragged_paged_attention(*x, spec=spec))
             fn.trace(*args).lower().compile(GPU_COMPILER_OPTIONS)
         with pytest.raises(Exception, match="register spilling"):  # the former default
             fn = jax.jit(lambda *x: gpu.ragged_paged_attention(
-                *x, sm_scale=0.0625, sliding_window=1024, block_q=16, pages_per_block=2))
+                *x, spec=AttentionSpec(sm_scale=0.0625, sliding_window=1024),
+                tuning=gpu.GpuTuning(block_q=16, pages_per_block=2)))
             fn.trace(*args).lower().compile(GPU_COMPILER_OPTIONS)
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.worker.penalty_state import LogitsProcessors
 from jaxserve.worker.sampler import (
-    LogitsProcessors,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,

@@ -16,7 +16,7 @@ import numpy as np
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.architectures import ARCHITECTURES
-from jaxserve.models.checkpoint_quant import CheckpointQuant
+from jaxserve.models.checkpoint_quant import CheckpointQuant, read_matrix
 
 GetTensor = Callable[[str], np.ndarray | None]  # HF name -> array, or None if absent
 
@@ -25,10 +25,20 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor is missing, corrupt or of the wrong shape."""
 
 
-def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tuple[int, ...]]]:
+# (HF suffix, param path inside `layers`, transpose, expected HF shape)
+_LayerRow = tuple[str, tuple[str, ...], bool, tuple[int, ...]]
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A projection's [out, in] shape (the table's kernels are matrices)."""
+    n_out, n_in = shape
+    return n_out, n_in
+
+
+def _layer_table(cfg: ArchConfig) -> list[_LayerRow]:
     """(HF suffix, param path inside `layers`, transpose, expected HF shape)."""
     H, I, Q, KV, D = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    rows: list[tuple[str, tuple[str, ...], bool, tuple[int, ...]]] = [
+    rows: list[_LayerRow] = [
         ("input_layernorm.weight", ("input_layernorm", "scale"), False, (H,)),
         ("post_attention_layernorm.weight", ("post_attention_layernorm", "scale"), False, (H,)),
         ("self_attn.q_proj.weight", ("self_attn", "q_proj", "kernel"), True, (Q, H)),
@@ -41,7 +51,7 @@ def _layer_table(cfg: ArchConfig) -> list[tuple[str, tuple[str, ...], bool, tupl
     ]
     if cfg.num_experts:  # the router here; the experts are stacked by _expert_params
         E = cfg.num_experts
-        router = [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
+        router: list[_LayerRow] = [(f"{_moe_prefix(cfg)}.gate.weight", ("mlp", "gate"), True, (E, H))]
         if _gpt_oss(cfg):
             router = [("mlp.router.weight", ("mlp", "gate"), True, (E, H)),
                       ("mlp.router.bias", ("mlp", "gate_bias"), False, (E,))]
@@ -101,7 +111,7 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     layers = _row_layers(cfg, ("mlp", "w_gate"))
     mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
-    out = {}
+    out: dict[str, Any] = {}
     for name, hf_names in _EXPERT_NAMES.items():
         shape = (H, I) if name == "w_down" else (I, H)
         hf = [[f"model.layers.{i}.{_moe_prefix(cfg)}.experts.{e}.{hf_names[not mixtral]}.weight"
@@ -136,12 +146,13 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
     mxfp4 = fmt is not None and fmt.mxfp4
 
     def quantized(prefix: str, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray] | None:
-        blocks, scales = get(f"{prefix}_blocks"), get(f"{prefix}_scales")
+        names = (f"{prefix}_blocks", f"{prefix}_scales")
+        blocks, scales = get(names[0]), get(names[1])
         if blocks is None and not mxfp4:
             return None
-        for name, t in ((f"{prefix}_blocks", blocks), (f"{prefix}_scales", scales)):
-            if t is None:
-                raise WeightLoadError(f"{source}: tensor {name!r} is missing")
+        if blocks is None or scales is None:
+            missing = names[0] if blocks is None else names[1]
+            raise WeightLoadError(f"{source}: tensor {missing!r} is missing")
         return blocks, scales
 
     def matrix(prefix: str, n_in: int, n_out: int) -> Any:
@@ -192,7 +203,7 @@ def projection_shapes(cfg: ArchConfig) -> dict[str, tuple[int, int]]:
     shapes = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         if transpose and path[-1] == "kernel":
-            shapes.update({f"model.layers.{i}.{suffix}": shape for i in _row_layers(cfg, path)})
+            shapes.update({f"model.layers.{i}.{suffix}": _matrix(shape) for i in _row_layers(cfg, path)})
     if cfg.num_experts:
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         mixtral = ARCHITECTURES[cfg.architecture].experts == "mixtral"
@@ -275,19 +286,20 @@ def build_params(
     """
     dtype = np.dtype(dtype)
     raw_get, get = get, _split_fused(cfg, get)
-    read_stored = None
+    read_stored: Callable[[str, tuple[int, int]], dict[str, np.ndarray]] | None = None
     if weight_format.from_checkpoint:
         if stored is None:
             raise ValueError(f"{weight_format.value} weights need the checkpoint's scheme")
         if stored.desc_act and cfg.num_experts:  # the experts' stacks have no `perm`
             raise ValueError(f"{source}: {stored.name} with desc_act experts are read dequantized only")
 
-        def read_stored(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-            leaves = stored.read(raw_get, module, shape, source).as_leaves(
+        def read_module(module: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+            leaves = read_matrix(stored, raw_get, module, shape, source).as_leaves(
                 weight_format.values_dtype, weight_format.zero_points, stored.desc_act)
             if "zero_scale" in leaves:  # a float leaf: the model's dtype
                 leaves["zero_scale"] = leaves["zero_scale"].astype(dtype)
             return leaves
+        read_stored = read_module
     layers: dict[str, Any] = {}
     for suffix, path, transpose, shape in _layer_table(cfg):
         node = layers
@@ -295,12 +307,13 @@ def build_params(
             node = node.setdefault(key, {})
         rows = _row_layers(cfg, path)
         if read_stored is not None and path[-1] == "kernel":
-            per_layer = [read_stored(f"model.layers.{i}.{suffix}".removesuffix(".weight"), shape)
+            per_layer = [read_stored(f"model.layers.{i}.{suffix}".removesuffix(".weight"), _matrix(shape))
                          for i in rows]
             node.update({k: np.stack([t[k] for t in per_layer]) for k in per_layer[0]})
             continue
         if weight_format.quantized and path[-1] == "kernel":
-            per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", shape, source, weight_format)
+            per_layer = [_fetch_quantized(get, f"model.layers.{i}.{suffix}", _matrix(shape), source,
+                                          weight_format)
                          for i in rows]
             node.update({k: np.stack([t[k] for t in per_layer]) for k in per_layer[0]})
             continue

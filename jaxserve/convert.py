@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="write no tokenizer (a checkpoint without one)")
     args = parser.parse_args(argv)
 
-    from jaxserve.models.model_files import resolve_model
     from jaxserve.models.loaders import load_checkpoint
     from jaxserve.models.loaders.orbax_loader import save_orbax
+    from jaxserve.models.model_files import resolve_model
     from jaxserve.models.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 
 class FinishReason(enum.Enum):
@@ -110,12 +110,14 @@ class EmbeddingOutput:
     @property
     def probs(self) -> list[float]:
         """A classify request's class probabilities (vLLM's `ClassificationOutput.probs`)."""
-        return self.embedding  # type: ignore[return-value]
+        # cast: the union's other half, a vector per token, is token_embed's only.
+        return cast(list[float], self.embedding)
 
     @property
     def score(self) -> float:
         """A score request's score (vLLM's `ScoringOutput.score`)."""
-        return float(self.embedding[0])  # type: ignore[arg-type]
+        # cast: a score request's output is one vector (its first entry the score).
+        return float(cast(list[float], self.embedding)[0])
 
 
 @dataclass

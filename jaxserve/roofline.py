@@ -101,6 +101,7 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
             else step.context for is_local in local]
     per_token_layer = 2 * arch.kv_size * kv_bytes_per_value
     kv = per_token_layer * (step.batch * sum(seen) + step.tokens * L)
+    attended: float  # query-key pairs
     if step.kind == "decode":
         attended = step.tokens * sum(seen)
     else:  # causal: the chunk's i-th token attends over i earlier ones (capped by the window)

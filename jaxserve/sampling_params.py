@@ -15,6 +15,7 @@ import enum
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 # The largest number of log-probabilities a request may ask for (vLLM's
 # default `max_logprobs`). The worker's sampler is compiled for this many.
@@ -46,12 +47,12 @@ class SamplingType(enum.Enum):
     RANDOM_SEED = "random_seed"
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # NOTE: bool is a subclass of int; `n=True` is a caller bug, not 1.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -102,21 +103,23 @@ class SamplingParams:
     bad_words_token_ids: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
-        # Normalise first so that validation reads the stored form.
-        stop = self.stop
-        if stop is None:
+        # Normalise first so that validation reads the stored form. NOTE: the fields are typed
+        # with what a caller may pass; the stored forms are these typed locals, which is what
+        # _verify_args checks.
+        stop: tuple[str, ...]
+        if self.stop is None:
             stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
+        elif isinstance(self.stop, str):
+            stop = (self.stop,)
         else:
-            stop = tuple(stop)
+            stop = tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         stop_token_ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
-        bias = self.logit_bias or ()
-        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        raw_bias = self.logit_bias or ()
+        pairs = raw_bias.items() if isinstance(raw_bias, Mapping) else raw_bias
         try:
-            bias = tuple(sorted((tok, b) for tok, b in pairs))
+            bias: tuple[tuple[float, float], ...] = tuple(sorted((tok, b) for tok, b in pairs))
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         object.__setattr__(self, "logit_bias", bias)
@@ -126,16 +129,25 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        bad_words = tuple(self.bad_words or ())
+        object.__setattr__(self, "bad_words", bad_words)
         try:
             seqs = tuple(tuple(s) for s in self.bad_words_token_ids or ())
         except TypeError:
             raise ValueError("bad_words_token_ids must be lists of token ids, got "
                              f"{self.bad_words_token_ids!r:.100}") from None
         object.__setattr__(self, "bad_words_token_ids", seqs)
-        self._verify_args()
+        self._verify_args(stop, stop_token_ids, bias, bad_words, seqs)
 
-    def _verify_args(self) -> None:
+    def _verify_args(
+        self,
+        stop: tuple[object, ...],
+        stop_token_ids: tuple[object, ...],
+        logit_bias: tuple[tuple[object, object], ...],
+        bad_words: tuple[object, ...],
+        bad_words_token_ids: tuple[tuple[object, ...], ...],
+    ) -> None:
+        # The collections arrive normalised but unchecked: whatever the caller put in them.
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         for name, lo, hi in (
@@ -167,10 +179,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        for s in self.stop:
+        for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
-        for tok in self.stop_token_ids:
+        for tok in stop_token_ids:
             if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
                 raise ValueError(f"stop_token_ids must contain only ints in [0, {_INT32_MAX}], "
                                  f"got {tok!r}")
@@ -180,10 +192,10 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+        if len(logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} tokens, "
-                             f"got {len(self.logit_bias)}")
-        for tok, b in self.logit_bias:
+                             f"got {len(logit_bias)}")
+        for tok, b in logit_bias:
             if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {_INT32_MAX}], got {tok!r}")
             if not _is_number(b) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
@@ -201,10 +213,10 @@ class SamplingParams:
                 if not _is_int(tok) or not 0 <= tok <= _INT32_MAX:
                     raise ValueError(f"allowed_token_ids must contain only ints in "
                                      f"[0, {_INT32_MAX}], got {tok!r}")
-        for word in self.bad_words:
+        for word in bad_words:
             if not isinstance(word, str) or not word.strip():
                 raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}")
-        seqs = self.bad_words_token_ids
+        seqs = bad_words_token_ids
         if len(seqs) > MAX_BAD_WORD_SEQUENCES:
             raise ValueError(f"bad_words may make at most {MAX_BAD_WORD_SEQUENCES} token "
                              f"sequences (each word as it stands and after a space), got {len(seqs)}")
@@ -236,21 +248,22 @@ class SamplingParams:
     def bans_by_history(self) -> bool:
         """Whether a bad word of several tokens makes the sampler read the output so far (such
         a request gets no speculative drafts: the sampler checks one token a step)."""
-        return any(len(s) > 1 for s in self.bad_words_token_ids)
+        return any(len(s) > 1 for s in self.bad_words_token_ids or ())
 
     def with_model_eos(self, eos_token_ids: Collection[int]) -> SamplingParams:
         """These params with the model's other EOS ids (generation_config's list, a GGUF's
         end-of-turn id) among stop_token_ids, unless ignore_eos (vLLM's
         update_from_generation_config): they stop the request, and min_tokens keeps them out."""
-        extra = set(eos_token_ids) - set(self.stop_token_ids)
+        stop_token_ids = self.stop_token_ids or ()  # never None once built
+        extra = set(eos_token_ids) - set(stop_token_ids)
         if self.ignore_eos or not extra:
             return self
-        return dataclasses.replace(self, stop_token_ids=(*self.stop_token_ids, *sorted(extra)))
+        return dataclasses.replace(self, stop_token_ids=(*stop_token_ids, *sorted(extra)))
 
     def all_stop_token_ids(self, eos_token_id: int | None) -> frozenset[int]:
         """Token ids that end the request: the sampler masks these until
         `min_tokens` outputs exist (vLLM's `all_stop_token_ids`)."""
-        ids = set(self.stop_token_ids)
+        ids = set(self.stop_token_ids or ())  # never None once built
         if eos_token_id is not None and not self.ignore_eos:
             ids.add(eos_token_id)
         return frozenset(ids)

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids or ()) for o in outs)
     result = {
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "elapsed_s": elapsed,

@@ -7,13 +7,13 @@ SchedulerOutput / ModelRunnerOutput contract.
 
 from jaxserve.engine_core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from jaxserve.engine_core.core import EngineCore
+from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.kv_cache_manager import KVCacheManager
 from jaxserve.engine_core.model_runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     LogprobsLists,
     ModelRunnerOutput,
 )
-from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler

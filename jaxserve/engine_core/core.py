@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
-from jaxserve.engine_core.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from jaxserve.engine_core.request import Request, RequestStatus
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler

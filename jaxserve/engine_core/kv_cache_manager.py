@@ -19,10 +19,10 @@ registered, each group's under its own key.
 from __future__ import annotations
 
 from jaxserve.engine_core.block_pool import BlockPool, KVCacheBlock
-from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 from jaxserve.engine_core.kv_cache_utils import BlockHash, RequestBlockHasher, cdiv, group_key
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.stats import PrefixCacheStats
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 
 # Pages of each group, one list per KV cache group (vLLM's KVCacheBlocks.blocks).
 GroupBlocks = tuple[list[KVCacheBlock], ...]
@@ -44,7 +44,9 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.kv_cache_groups = kv_cache_groups
         self.windows = tuple(g.sliding_window for g in kv_cache_groups.groups)
-        self.sliding = tuple(g for g, w in enumerate(self.windows) if w is not None)
+        # The sliding groups and their windows.
+        self.sliding_windows = {g: w for g, w in enumerate(self.windows) if w is not None}
+        self.sliding = tuple(self.sliding_windows)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, GroupBlocks] = {}
         # Per request and group: leading pages already registered in the prefix cache, and
@@ -128,21 +130,20 @@ class KVCacheManager:
                     ) -> tuple[int, list[KVCacheBlock]]:
         """The longest hit m <= n pages for a sliding group: the pages its window reads before
         token m * block_size are cached (those before them are null)."""
-        need = cdiv(self.windows[group] - 1, self.block_size)  # type: ignore[operator]
+        need = cdiv(self.sliding_windows[group] - 1, self.block_size)
         null = self.block_pool.null_block
-        found: list[KVCacheBlock | None] = [None] * n
-        run = 0  # cached pages from i on
+        run: list[KVCacheBlock] = []  # the cached pages from i on, the last first
         for i in range(n - 1, -1, -1):
             block = self._cached(hashes[i], group)
             if block is None:
-                run = 0
+                run = []
                 continue
-            found[i], run = block, run + 1
-            if run >= need:
-                return i + need, [null] * i + found[i : i + need]  # type: ignore[list-item]
+            run.append(block)
+            if len(run) >= need:
+                return i + need, [null] * i + run[::-1][:need]
         if need == 0:
             return n, [null] * n
-        return run, found[:run]  # type: ignore[return-value]
+        return len(run), run[::-1]
 
     # --- allocation -----------------------------------------------------------
 
@@ -240,7 +241,7 @@ class KVCacheManager:
         blocks, skipped = self.req_to_blocks[req_id], self.num_skipped_block[req_id]
         null = self.block_pool.null_block
         for g in self.sliding:
-            first_read = num_computed_tokens - self.windows[g] + 1  # type: ignore[operator]
+            first_read = num_computed_tokens - self.sliding_windows[g] + 1
             n = min(max(first_read, 0) // self.block_size, len(blocks[g]))
             if n > skipped[g]:
                 passed = [b for b in blocks[g][skipped[g] : n] if not b.is_null]

@@ -19,9 +19,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType
 from jaxserve.engine_core.kv_cache_utils import BlockHash
 from jaxserve.engine_core.model_runner_output import LogprobsLists
-from jaxserve.engine_core.core_outputs import EngineCoreEvent, EngineCoreEventType
 from jaxserve.outputs import FinishReason
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.pooling_params = pooling_params
-        self.pooling_output: list[float] | None = None
+        self.pooling_output: list[float] | list[list[float]] | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.status = RequestStatus.WAITING

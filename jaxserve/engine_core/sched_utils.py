@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 
-
 EMPTY_PROMPT = "prompt is empty"
 
 
@@ -72,7 +71,7 @@ def check_stop(request: Request, last_token_id: int, max_model_len: int) -> bool
         if last_token_id == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        if last_token_id in params.stop_token_ids:
+        if last_token_id in (params.stop_token_ids or ()):  # never None once built
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last_token_id
             return True

@@ -35,10 +35,9 @@ from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine_core.block_pool import KVCacheBlock
-from jaxserve.engine_core.kv_cache_manager import KVCacheManager
-from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
-from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.kv_cache_manager import KVCacheManager
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.request import InvalidRequestError, Request, RequestStatus
 from jaxserve.engine_core.request_queue import create_request_queue, select_victim
 from jaxserve.engine_core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -46,6 +45,7 @@ from jaxserve.engine_core.sched_utils import append_until_stop, check_new_reques
 from jaxserve.engine_core.spec_decode import Drafter
 from jaxserve.engine_core.stats import SchedulerStats
 from jaxserve.engine_core.structured_output import StructuredOutputManager
+from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -70,7 +70,9 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = scheduler_config.max_model_len
+        if scheduler_config.max_model_len is None:
+            raise ValueError("max_model_len must be resolved (engine/resolve.py) before a Scheduler is built")
+        self.max_model_len: int = scheduler_config.max_model_len
         self.policy = scheduler_config.policy
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.async_scheduling = scheduler_config.async_scheduling
@@ -264,7 +266,7 @@ class Scheduler:
             scheduled_running_reqs.append(request)
             req_to_new_blocks[request.req_id] = new_blocks
             num_scheduled_tokens[request.req_id] = num_new_tokens
-            if drafts:
+            if drafter is not None and drafts:
                 drafter.step_drafts[request.req_id] = drafts
             token_budget -= num_new_tokens
             req_index += 1
@@ -396,6 +398,7 @@ class Scheduler:
             if drafts:
                 # Rejected drafts' KV is overwritten by the next steps.
                 request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+                assert self.drafter is not None  # only the drafter schedules drafts
                 self.drafter.verified(len(drafts), len(new_token_ids))
             if async_scheduling and not request.num_output_placeholders:
                 continue  # a token nobody scheduled for: stale output

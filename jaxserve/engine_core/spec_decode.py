@@ -16,10 +16,9 @@ NumPy only (the engine core never imports JAX).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-
-from typing import TYPE_CHECKING
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.sampling_params import SamplingParams

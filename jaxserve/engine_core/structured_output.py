@@ -20,7 +20,7 @@ import concurrent.futures
 import json
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -28,8 +28,11 @@ from jaxserve.engine_core.request import InvalidRequestError, Request
 
 logger = logging.getLogger(__name__)
 
+# The llguidance.grammar_from formats used here (its GrammarFormat, without importing it).
+_GrammarFormat = Literal["json_schema", "regex", "choice", "grammar"]
+
 # kind -> llguidance.grammar_from's format; json_object is "any JSON object".
-KINDS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
+KINDS: dict[str, _GrammarFormat] = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
          "choice": "choice", "grammar": "grammar"}
 
 
@@ -119,6 +122,8 @@ class StructuredOutputManager:
         if self._ll_tokenizer is None:
             import llguidance.hf
 
+            # Only add_request's matchers call this, and it refuses grammars without a tokenizer.
+            assert self._load_tokenizer is not None
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._load_tokenizer(),
                                                               n_vocab=self.vocab_size)
         return self._ll_tokenizer

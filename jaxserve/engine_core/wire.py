@@ -77,7 +77,8 @@ def _getter(cls: type) -> tuple[Any, tuple[tuple[int, int, Any], ...]]:
 
 def encode_record(record: Any, ctx: Any = None) -> list[Any]:
     """`record`'s field values in order, in plain types (`ctx`: the message's shared context)."""
-    get, special = _getter(type(record))
+    cls: type = type(record)  # plain `type`: mypy sees no `type[T]` as Hashable (mypy#11470)
+    get, special = _getter(cls)
     out = list(get(record))
     for i, kind, arg in special:  # only the fields that need it: most records have none
         v = out[i]
@@ -94,13 +95,15 @@ def encode_record(record: Any, ctx: Any = None) -> list[Any]:
     return out
 
 
-def decode_record(cls: type[T], values: list[Any], ctx: Any = None) -> T:
-    """The record `encode_record` made (the class's own validation runs)."""
-    schema = _schema(cls)
+def decode_record(cls: type[T], values: object, ctx: Any = None) -> T:
+    """The record `encode_record` made (the class's own validation runs); `values` is
+    whatever came off the wire, checked here."""
+    key: type = cls  # plain `type`: mypy sees no `type[T]` as Hashable (mypy#11470)
+    schema = _schema(key)
     if not isinstance(values, list | tuple) or len(values) != len(schema):
         raise ValueError(f"a {cls.__name__} record has {len(schema)} fields "
                          f"({', '.join(n for n, _, _ in schema)}), got {values!r:.200}")
-    special = _getter(cls)[1]
+    special = _getter(key)[1]
     if not special:
         return cls(*values)
     args = list(values)

@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")  # besides none ("default")
 # A dense SwiGLU's params (the MLP of a dense layer; of a sparse layer, the experts' stacks).
 DENSE_MLP_PARAMS = ("gate_proj", "up_proj", "down_proj")
@@ -196,7 +195,7 @@ class ArchConfig:
         return 2 * self.num_hidden_layers * self.kv_size * itemsize
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ArchConfig":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
         """Build from a parsed `config.json` (validates the architecture name)."""
         from jaxserve.classifier import is_classifier_architecture
         from jaxserve.models.architectures import ARCHITECTURES, resolve_architecture

@@ -41,8 +41,10 @@ class GGUFReader(gguf.GGUFReader):
         if itype != GGUFValueType.STRING:  # nested arrays: the package's recursive parse
             return super()._get_field_parts(orig_offs, raw_type)
         unpack, u64 = struct.Struct("<Q").unpack_from, np.dtype("<u8")
+        # Its memoryview (no copy): numpy's stubs give ndarray `__buffer__` on Python 3.12+ only.
+        buf = data.data
         for _ in range(n):
-            (length,) = unpack(data, offs)
+            (length,) = unpack(buf, offs)
             parts.append(data[offs:offs + 8].view(u64))
             parts.append(data[offs + 8:offs + 8 + length])
             offs += 8 + length

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import WeightFormat
-from jaxserve.models.quantization import GROUP_SIZE, dense as quant_dense
+from jaxserve.models.quantization import GROUP_SIZE
+from jaxserve.models.quantization import dense as quant_dense
 
 
 class RMSNorm(nn.Module):

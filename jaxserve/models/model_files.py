@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any

@@ -24,7 +24,7 @@ pairs routed to them. Either way the partial outputs are summed over the axis.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import flax.linen as nn
 import jax
@@ -227,11 +227,14 @@ def _experts_on_mesh(cfg: ArchConfig, opts: Any, x: jax.Array, weights: jax.Arra
     int8 = fmt.scaled
     spec = (lambda i_axis: PartitionSpec("model", None, None)) if ep else (
         lambda i_axis: PartitionSpec(*("model" if a == i_axis else None for a in range(3))))
-    up_spec, down_spec = spec(1 if int8 else 2), spec(2 if int8 else 1)
+    up, down = spec(1 if int8 else 2), spec(2 if int8 else 1)
+    # An int8 stack is a (qweight, scale) pair: a spec for each.
+    up_spec: PartitionSpec | tuple[PartitionSpec, PartitionSpec] = up
+    down_spec: PartitionSpec | tuple[PartitionSpec, PartitionSpec] = down
     if int8:  # down's scales: one per input group, whole when tp does not divide them
         whole = not ep and num_groups(I, group_size) % tp
-        up_spec = (up_spec, up_spec)
-        down_spec = (down_spec, PartitionSpec(None, None, None) if whole else down_spec)
+        up_spec = (up, up)
+        down_spec = (down, PartitionSpec(None, None, None) if whole else down)
 
     def local(x, weights, experts, w_gate, w_up, w_down, biases):
         first = jax.lax.axis_index("model") * _num_experts(w_gate) if ep else 0
@@ -262,7 +265,12 @@ class MoE(nn.Module):
         init = nn.initializers.normal(0.02)
         router = self.param("gate", init, (H, E), opts.dtype)
         fmt, group_size = opts.experts_weights
+        w_gate: Experts
+        w_up: Experts
+        w_down: Experts
         if fmt.scaled:  # the whole stack, this layer's taken
+            if layer is None:
+                raise ValueError("scaled experts are one stack over the layers: MoE needs `layer`")
             L = cfg.num_hidden_layers
             w_gate, w_up, w_down = (_take(Int8Stack((L, E), n_out, n_in, INT8_LAYERS,
                                                     fmt.values_dtype, group_size,
@@ -319,10 +327,16 @@ class FloatStack(nn.Module):
         return self.variable(MLP_STACKS, "kernel", jnp.zeros, self.shape, self.dtype).value
 
 
+@overload
+def _take(w: jax.Array, i: jax.Array) -> jax.Array: ...
+@overload
+def _take(w: tuple[jax.Array, jax.Array], i: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 def _take(w: Experts, i: jax.Array) -> Experts:
     """Entry i of a stack (of float arrays or int8 (qweight, scale) pairs)."""
     if isinstance(w, tuple):
-        return tuple(jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in w)
+        q, scale = w
+        return (jax.lax.dynamic_index_in_dim(q, i, keepdims=False),
+                jax.lax.dynamic_index_in_dim(scale, i, keepdims=False))
     return jax.lax.dynamic_index_in_dim(w, i, keepdims=False)
 
 
@@ -340,6 +354,8 @@ class MixedMLP(nn.Module):
         cfg, opts = self.cfg, self.opts
         E, H, I, I_dense = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                             cfg.intermediate_size)
+        if cfg.moe_layers is None:
+            raise ValueError("MixedMLP is for dense layers among the sparse (ArchConfig.moe_layers)")
         n_sparse = sum(cfg.moe_layers)
         n_dense = cfg.num_hidden_layers - n_sparse
         int8 = opts.weight_format.scaled
@@ -360,7 +376,8 @@ class MixedMLP(nn.Module):
         i = jnp.asarray(cfg.mlp_stack_index, jnp.int32)[layer]
 
         def sparse_ffn() -> jax.Array:
-            return mixture(cfg, opts, x, _take(router, i), *(_take(w, i) for w in experts))
+            w_gate, w_up, w_down = (_take(w, i) for w in experts)
+            return mixture(cfg, opts, x, _take(router, i), w_gate, w_up, w_down)
 
         def dense_ffn() -> jax.Array:
             def proj(v: jax.Array, w: Experts) -> jax.Array:

@@ -120,6 +120,12 @@ def token_seq_lens(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int) ->
     return kv_lens[jnp.minimum(seq, kv_lens.shape[0] - 1)]
 
 
+def _needed(seq_lens: jax.Array | None, rope_type: str) -> jax.Array:
+    if seq_lens is None:
+        raise ValueError(f"a {rope_type} rope needs seq_lens (token_seq_lens; see needs_seq_lens)")
+    return seq_lens
+
+
 def rope_cos_sin(cfg: ArchConfig, positions: jax.Array, seq_lens: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, rotary_dim // 2] for the positions (`seq_lens`: token_seq_lens, for the
@@ -131,12 +137,12 @@ def rope_cos_sin(cfg: ArchConfig, positions: jax.Array, seq_lens: jax.Array | No
     pos = jax.lax.optimization_barrier(positions).astype(jnp.float32)[:, None]
     if s is not None and s.rope_type == "dynamic":
         d, max_pos = rotary_dim(cfg), cfg.max_position_embeddings
-        L = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)
+        L = jnp.maximum(_needed(seq_lens, s.rope_type), max_pos).astype(jnp.float32)
         theta = cfg.rope_theta * ((s.factor * L / max_pos) - (s.factor - 1)) ** (d / (d - 2))
         exponent = jnp.arange(0, d, 2, dtype=jnp.float32) / d
         freqs = pos / theta[:, None] ** exponent[None, :]
     elif s is not None and s.rope_type == "longrope":
-        long = seq_lens[:, None] > s.original_max_position_embeddings
+        long = _needed(seq_lens, s.rope_type)[:, None] > s.original_max_position_embeddings
         inv_freq = jnp.where(long, rope_inv_freq(cfg, long=True)[None, :],
                              rope_inv_freq(cfg)[None, :])
         freqs = pos * inv_freq

@@ -33,7 +33,8 @@ def initialize_distributed(pc: ParallelConfig) -> DistributedSettings:
     """Join the process group once (no-op for one process)."""
     s = pc.distributed()
     if s.num_processes > 1 and not jax.distributed.is_initialized():
-        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or jax.config.jax_platforms == "cpu":
+        platforms = jax.config.jax_platforms  # type: ignore[attr-defined]  # a flag jax's stubs omit
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or platforms == "cpu":
             # CPU collectives across processes go through gloo.
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id)
@@ -43,8 +44,8 @@ def initialize_distributed(pc: ParallelConfig) -> DistributedSettings:
 
 def _broadcast_bytes(payload: bytes | None) -> bytes:
     """Process 0's bytes on every process (others pass None)."""
-    n = np.array([0 if payload is None else len(payload)], np.int64)
-    n = int(multihost_utils.broadcast_one_to_all(n)[0])
+    length = np.array([0 if payload is None else len(payload)], np.int64)
+    n = int(multihost_utils.broadcast_one_to_all(length)[0])
     size = max(1024, 1 << (max(n, 1) - 1).bit_length())
     buf = np.zeros(size, np.uint8)
     if payload is not None:

@@ -16,6 +16,7 @@ so stage 0 of step N+1 runs while a later stage still works on step N.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,11 @@ def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def _slice_leaves(tree: Any, start: int, stop: int) -> Any:
+    """Every leaf's entries start:stop along its first axis (the layers')."""
+    return jax.tree.map(lambda x: x[start:stop], tree)
+
+
 def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, last: bool,
                  arch: ArchConfig) -> dict[str, Any]:
     """The host params one stage needs (its layer slice; embedding/norm/head where used).
@@ -64,7 +70,7 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
     lo, hi = layers
     mixed = arch.moe_layers is not None
     out: dict[str, Any] = {"layers": {
-        k: jax.tree.map(lambda a: a[lo:hi], v) for k, v in p["layers"].items()
+        k: _slice_leaves(v, lo, hi) for k, v in p["layers"].items()
         if not (mixed and k == "mlp")}}
     if mixed:
         mlp = {}
@@ -72,7 +78,7 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
             covered = arch.stack_layers(name)
             a, b = sum(i < lo for i in covered), sum(i < hi for i in covered)
             if b > a:
-                mlp[name] = jax.tree.map(lambda x: x[a:b], w)
+                mlp[name] = _slice_leaves(w, a, b)
         out["layers"]["mlp"] = mlp
     if first or (last and tied):
         out["embed_tokens"] = p["embed_tokens"]
@@ -112,7 +118,6 @@ def abstract_params(model: LlamaForCausalLM) -> Any:
     """The loaders' param tree of `model` (decoder and LM head) as ShapeDtypeStructs."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     G = len(model.opts.kv_cache_groups.groups)
-    md = AttentionMetadata(i32(G, 16), i32(4), i32(G, 4, 8), i32(5), i32(1))
     # Parameter shapes do not depend on the mesh or the kernels: initialise the plain model.
     plain = LlamaForCausalLM(model.cfg, dataclasses.replace(
         model.opts, mesh=None, attention_backend="reference", attention_interpret=False))
@@ -121,8 +126,12 @@ def abstract_params(model: LlamaForCausalLM) -> Any:
     def init_all(module: LlamaForCausalLM, ids, pos, cache, md):
         return module.compute_logits(module(ids, pos, cache, md)[0])
 
-    return param_tree(jax.eval_shape(lambda *a: plain.init(*a, method=init_all),
-                                     jax.random.key(0), i32(16), i32(16), kv, md))
+    def init(key: jax.Array, ids: jax.Array, pos: jax.Array, cache: Any, *md: jax.Array) -> Any:
+        return plain.init(key, ids, pos, cache, AttentionMetadata(*md), method=init_all)
+
+    # The metadata's arrays: slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs.
+    md_shapes = (i32(G, 16), i32(4), i32(G, 4, 8), i32(5), i32(1))
+    return param_tree(jax.eval_shape(init, jax.random.key(0), i32(16), i32(16), kv, *md_shapes))
 
 
 def abstract_stages(
@@ -136,7 +145,8 @@ def abstract_stages(
     for i, rng in enumerate(split_layers(arch.num_hidden_layers, pp)):
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
         first, last = i == 0, i == pp - 1
-        host = jax.eval_shape(lambda p: stage_params(p, rng, first, last, arch), full)
+        host = jax.eval_shape(functools.partial(stage_params, layers=rng, first=first, last=last,
+                                                arch=arch), full)
         cfg = arch.layer_range(*rng)
         model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

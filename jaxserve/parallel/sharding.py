@@ -49,7 +49,10 @@ LOGICAL_RULES: dict[str, str | None] = {
 EXPERT_PARALLEL_RULES = {**LOGICAL_RULES, "experts": "model", "expert_mlp": None}
 
 # Param path (inside "params") -> logical axes of the leaf.
-PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+# A leaf's logical axis names, one per dimension (None: an axis never split).
+LogicalAxes = tuple[str | None, ...]
+
+PARAM_AXES: dict[tuple[str, ...], LogicalAxes] = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("norm", "scale"): ("embed",),
     ("lm_head", "kernel"): ("embed", "vocab"),
@@ -88,12 +91,12 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
        for leaf in ("qweight", "scale")},
 }
 
-def _quantized_axes(axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict[tuple[str, ...], tuple[str, ...]]:
+def _quantized_axes(axes: dict[tuple[str, ...], LogicalAxes]) -> dict[tuple[str, ...], LogicalAxes]:
     """Rules for int8 and bf16 weights (models/quantization.py): `qweight` is the float kernel
     transposed to [out, in] (the embedding keeps its [vocab, embed]); `scale`, `zero_scale` [out, groups]
     split as `qweight` does (a group of inputs stays on the device holding its inputs);
     packed bf16 weights (`packed`) stay whole."""
-    out: dict[tuple[str, ...], tuple[str, ...]] = {}
+    out: dict[tuple[str, ...], LogicalAxes] = {}
     for path, ax in axes.items():
         if path[-1] == "kernel":
             *lead, inp, outp = ax
@@ -113,7 +116,7 @@ PARAM_AXES.update(_quantized_axes(PARAM_AXES))
 KV_CACHE_AXES = ("layers", None, None, "kv_slots", "head_dim")
 
 
-def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+def logical_to_spec(axes: LogicalAxes, shape: tuple[int, ...], mesh: Mesh,
                     rules: dict[str, str | None] | None = None) -> PartitionSpec:
     """Map logical axes to mesh axes; a dimension the mesh axis does not divide stays whole."""
     spec = []

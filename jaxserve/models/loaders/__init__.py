@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import WeightFormat
-from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.loaders.weights import WeightLoadError
+from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 
 
 def load_checkpoint(

@@ -21,9 +21,9 @@ import numpy as np
 
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig, RopeScaling
+from jaxserve.models.loaders.weights import WeightLoadError, build_params
 from jaxserve.models.model_files import open_gguf
 from jaxserve.models.rope import rope_inv_freq
-from jaxserve.models.loaders.weights import WeightLoadError, build_params
 
 # GGUF `general.architecture` -> the Hugging Face architecture it was converted from
 # ("llama" with experts is Mixtral, as llama.cpp's converter writes it).
@@ -196,10 +196,7 @@ def load_gguf(path: str, dtype: Any, weight_format: WeightFormat = WeightFormat.
     tensors = {t.name: t for t in reader.tensors}
     stack: dict[str, np.ndarray] = {}  # the last expert stack read: each is read once
 
-    def dequantize(gguf_name: str) -> np.ndarray | None:
-        t = tensors.get(gguf_name)
-        if t is None:
-            return None
+    def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
         try:
             return gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -207,19 +204,23 @@ def load_gguf(path: str, dtype: Any, weight_format: WeightFormat = WeightFormat.
                 f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be dequantized ({e})"
             ) from None
 
+    def dequantize_named(gguf_name: str) -> np.ndarray | None:
+        t = tensors.get(gguf_name)
+        return None if t is None else dequantize(t)
+
     def get(name: str) -> np.ndarray | None:
         if m := _EXPERT.fullmatch(name):
             layer, expert, kind = m.group(1), int(m.group(2)), _EXPERT_KIND[m.group(3)]
             stacked = f"blk.{layer}.ffn_{kind}_exps.weight"
             if stacked not in tensors:  # older files: one tensor per expert
-                return dequantize(f"blk.{layer}.ffn_{kind}.{expert}.weight")
+                return dequantize_named(f"blk.{layer}.ffn_{kind}.{expert}.weight")
             if stacked not in stack:
                 stack.clear()
-                stack[stacked] = dequantize(stacked)
-            w = stack[stacked]
-            return None if expert >= len(w) else np.ascontiguousarray(w[expert])
+                stack[stacked] = dequantize(tensors[stacked])
+            experts = stack[stacked]
+            return None if expert >= len(experts) else np.ascontiguousarray(experts[expert])
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        w = None if gguf_name is None else dequantize(gguf_name)
+        w = None if gguf_name is None else dequantize_named(gguf_name)
         if w is None:
             return None
         if permuted and name.endswith("q_proj.weight"):

@@ -16,7 +16,7 @@ from jaxserve.classifier import ClassifierConfig
 from jaxserve.config import WeightFormat
 from jaxserve.models import checkpoint_quant
 from jaxserve.models.arch_config import ArchConfig
-from jaxserve.models.loaders.weights import WeightLoadError, build_params, projection_shapes
+from jaxserve.models.loaders.weights import GetTensor, WeightLoadError, build_params, projection_shapes
 from jaxserve.models.model_files import read_hf_config
 
 # safetensors' NumPy reader has no float8 types: these are read from the file's own header.
@@ -67,7 +67,7 @@ def load_hf_dir(
         for key in h.keys():
             where[key] = (h, path)
 
-    def get(name: str) -> np.ndarray | None:
+    def read(name: str) -> np.ndarray | None:
         if name not in where:
             return None
         h, path = where[name]
@@ -79,6 +79,7 @@ def load_hf_dir(
                 raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
             return t
 
+    get: GetTensor = read
     cq = checkpoint_quant.from_hf_config(config, model_dir)
     if cq is not None:
         shapes = projection_shapes(arch)

@@ -2,13 +2,15 @@
 
 Imports JAX only, never `jaxserve`. Pick a variant by name:
 
+    spec = AttentionSpec(sm_scale=head_dim ** -0.5, sliding_window=4096)  # what it computes
     out = ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                 sm_scale=head_dim ** -0.5, backend="gpu")
+                                 spec=spec, backend="gpu")
     kv_pages = update_kv_cache(kv_pages, k, v, slot_mapping, backend="gpu")
 
 The cache layout is the kernels' to say per platform: `new_kv_cache(...)` makes a cache and
-its layout together (pass both: `layout=`), `kv_cache_shape(...)` / `kv_cache_layout(...)`
-say them apart (kernels_pallas/kv_cache.py draws both layouts).
+its layout together (pass both: the layout in the `AttentionSpec` and as `layout=` to the
+write), `kv_cache_shape(...)` / `kv_cache_layout(...)` say them apart
+(kernels_pallas/kv_cache.py draws both layouts).
 
 Variants live one file each in `kernels_pallas/ragged_paged_attention/` (see registry.py).
 NOTE: `kernels_pallas.ragged_paged_attention` is this function, not the subpackage; import
@@ -22,6 +24,7 @@ from typing import Any
 
 import jax
 
+from kernels_pallas import ragged_paged_attention as _variants  # noqa: F401 - registers every variant
 from kernels_pallas.kv_cache import (
     FP8_KV_CACHE_DTYPES,
     KV_VALUE_DTYPES,
@@ -29,16 +32,32 @@ from kernels_pallas.kv_cache import (
     convert_cache,
     kv_cache_values,
     standard_layout,
+)
+from kernels_pallas.kv_cache import (
     update_kv_cache as _xla_kv_write,
 )
-from kernels_pallas.registry import Backend, get_backend, list_backends, register_backend
-from kernels_pallas import ragged_paged_attention as _variants  # noqa: F401 - registers every variant
+from kernels_pallas.registry import (
+    AttentionFn,
+    AttentionSpec,
+    Backend,
+    KVWriteFn,
+    PlanFn,
+    VariantPlan,
+    get_backend,
+    list_backends,
+    register_backend,
+)
 
 __all__ = [
     "FP8_KV_CACHE_DTYPES",
     "KV_VALUE_DTYPES",
+    "AttentionFn",
+    "AttentionSpec",
     "Backend",
     "KVCacheLayout",
+    "KVWriteFn",
+    "PlanFn",
+    "VariantPlan",
     "attention_plan",
     "get_backend",
     "kv_cache_layout",
@@ -85,8 +104,9 @@ def new_kv_cache(
     platform: str | None = None, backend: str | None = None,
 ) -> tuple[jax.Array, KVCacheLayout]:
     """A zeroed paged cache (one layer) in the layout `backend`'s kernels take (or `platform`'s
-    default kernel's), and that layout: pass it as `layout=` to `ragged_paged_attention` and
-    `update_kv_cache` (a packed cache's layout cannot be read off its shape)."""
+    default kernel's), and that layout: pass it in `ragged_paged_attention`'s
+    `AttentionSpec(layout=...)` and as `layout=` to `update_kv_cache` (a packed cache's
+    layout cannot be read off its shape)."""
     layout = kv_cache_layout(num_kv_heads, head_dim, kv_cache_dtype, platform=platform,
                              backend=backend)
     return jax.numpy.zeros(layout.cache_shape(num_pages, page_size), layout.storage_dtype), layout
@@ -100,46 +120,42 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
+    sinks: jax.Array | None = None,  # float32 [num_q_heads]: GPT-OSS's attention sinks
     backend: str = "reference",
     interpret: bool = False,
-    plan: Any = None,
-    kv_cache_dtype: str = "auto",
-    layout: KVCacheLayout | None = None,
-    **tuning,
+    plan: VariantPlan = None,
+    tuning: Any = None,
 ) -> jax.Array:
     """Attention of a mixed prefill/decode batch over the paged cache, by variant name.
 
     See `kernels_pallas/ragged_paged_attention/reference.py` for the batch layout and
-    `kernels_pallas/kv_cache.py` for the cache's; `tuning` goes to the variant (block sizes,
-    `sliding_window`, `soft_cap`, `k_scale`, ...); `plan` is this step's
-    `attention_plan(...)` for variants that have one. Without `layout` the cache is a standard
-    one, read off its shape; `kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" then says it
-    is uint8 holding those values' bits (vLLM's layout), "bfloat16" / "float16" with a uint16
-    cache likewise (the layout of the variants that read bits, the CPU's). A cache in the other layout than the
+    `kernels_pallas/kv_cache.py` for the cache's. `spec` is what it computes
+    (kernels_pallas/registry.py); `tuning` is the variant's own record (e.g. `GpuTuning`;
+    None: its defaults); `plan` is this step's `attention_plan(...)` for variants that have
+    one. Without `spec.layout` the cache is a standard one, read off its shape;
+    `spec.kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" then says it is uint8 holding those
+    values' bits (vLLM's layout), "bfloat16" / "float16" with a uint16 cache likewise (the
+    layout of the variants that read bits, the CPU's). A cache in the other layout than the
     variant's own is converted whole first (tests, research).
     """
-    if plan is not None:
-        tuning["plan"] = plan
     impl = get_backend(backend)
-    layout = layout or standard_layout(kv_pages, kv_cache_dtype)
+    layout = spec.layout or standard_layout(kv_pages, spec.kv_cache_dtype)
+    # The variant's spec describes the cache it is handed (registry.py's docstring).
     if impl.packed_layout:
         if not layout.packed:
             packed = dataclasses.replace(layout, packed=True)
             kv_pages, layout = convert_cache(kv_pages, layout, packed), packed
-        tuning["layout"] = layout
+        spec = dataclasses.replace(spec, layout=layout, kv_cache_dtype="auto")
     else:
         kv_cache_dtype = layout.dtype if layout.stores_bits else "auto"
         if layout.packed:  # -> standard order, as values (fp8 arrays for fp8)
             kv_pages, kv_cache_dtype = layout.unpack(kv_pages), "auto"
-        if impl.reads_kv_bits:
-            tuning["kv_cache_dtype"] = kv_cache_dtype
-        else:
-            kv_pages = kv_cache_values(kv_pages, kv_cache_dtype)
-    return impl.attention(
-        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, interpret=interpret, **tuning,
-    )
+        if not impl.reads_kv_bits:
+            kv_pages, kv_cache_dtype = kv_cache_values(kv_pages, kv_cache_dtype), "auto"
+        spec = dataclasses.replace(spec, layout=None, kv_cache_dtype=kv_cache_dtype)
+    return impl.attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, spec=spec,
+                          sinks=sinks, plan=plan, interpret=interpret, tuning=tuning)
 
 
 def attention_plan(
@@ -150,16 +166,18 @@ def attention_plan(
     *,
     num_tokens: int,
     page_size: int,
+    spec: AttentionSpec,
     backend: str = "reference",
-    **tuning,
-) -> Any:
+    tuning: Any = None,
+) -> VariantPlan:
     """The variant's per-step work plan (None if it has none): build it once per step and
-    pass it to every layer's `ragged_paged_attention(..., plan=...)`."""
+    pass it to every layer's `ragged_paged_attention(..., plan=...)` with the same `spec`
+    (what the plan reads of it: e.g. the sliding window) and `tuning`."""
     make = get_backend(backend).plan
     if make is None:
         return None
     return make(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens=num_tokens,
-                page_size=page_size, **tuning)
+                page_size=page_size, spec=spec, tuning=tuning)
 
 
 def update_kv_cache(

@@ -30,7 +30,7 @@ INCLUDE_DIR = Path(__file__).parent
 BUILD_TIMEOUT_S = 300
 # The C++ runtime linked in statically: a process may already have loaded an older
 # libstdc++ (a conda Python) than the one the system's g++ builds against.
-COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
+COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra",
                 "-static-libstdc++", "-static-libgcc")
 
 
@@ -71,7 +71,8 @@ def build(name: str, source: Path, flags: Sequence[str], libs: Sequence[str] = (
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [*cxx, *all_flags, f"-I{jax.ffi.include_dir()}", f"-I{INCLUDE_DIR}", str(source),
+        # jaxlib's FFI headers as system headers: their own warnings are not ours.
+        cmd = [*cxx, *all_flags, "-isystem", jax.ffi.include_dir(), f"-I{INCLUDE_DIR}", str(source),
                "-o", str(tmp_out), *libs]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if run.returncode != 0:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import AttentionSpec
 from kernels_pallas.ragged_paged_attention import _prefill_cpu, cpu
 
 QH, KVH, D, PAGE = 9, 3, 64, 16
@@ -59,8 +60,9 @@ def main() -> None:
             b = batch(min(args.chunk, context), context, dtype)
             if kv_dtype != "auto":
                 b = (b[0], jax.lax.bitcast_convert_type(b[1], jnp.uint16), *b[2:])
-            fns = {k: jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=D ** -0.5,
-                                                kv_cache_dtype=kv_dtype, prefill_kernel=k))
+            spec = AttentionSpec(sm_scale=D ** -0.5, kv_cache_dtype=kv_dtype)
+            fns = {k: jax.jit(functools.partial(cpu.ragged_paged_attention, spec=spec,
+                                                tuning=cpu.CpuTuning(prefill_kernel=k)))
                    for k in ("xla", "auto")}
             times: dict[str, list[float]] = {"xla": [], "auto": []}
             for _ in range(2):

@@ -182,7 +182,8 @@ def main() -> None:
     for w in workloads:
         args = make_inputs(w)
         scale = w.head_dim ** -0.5
-        want = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(*a, sm_scale=scale))(*args)
+        spec = kernels_pallas.AttentionSpec(sm_scale=scale)
+        want = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(*a, spec=spec))(*args)
         runs: list[tuple[str, Callable[[], jax.Array]]] = []
         for name in names:
             bargs, layout = args, None
@@ -191,7 +192,7 @@ def main() -> None:
                 layout = dataclasses.replace(std, packed=True)
                 bargs = (args[0], convert_cache(args[1], std, layout), *args[2:])
             fn = jax.jit(lambda *a, name=name, layout=layout: kernels_pallas.ragged_paged_attention(
-                *a, sm_scale=scale, backend=name, layout=layout,
+                *a, spec=dataclasses.replace(spec, layout=layout), backend=name,
                 interpret=interpret and name != "reference"))
             runs.append((name, lambda fn=fn, bargs=bargs: fn(*bargs)))
         if platform == "cuda" or (interpret and "gpu" in names):

@@ -64,9 +64,7 @@ KERNEL_CASES = [  # (q heads, kv heads), head dim, page size, cache values, opti
 def check_kernels(backend: str, interpret: bool) -> list[dict]:
     """The backend's attention and KV write on the device against the reference."""
     rows = []
-    ref = jax.jit(kernels_pallas.ragged_paged_attention,
-                  static_argnames=("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale",
-                                   "layout"))
+    ref = jax.jit(kernels_pallas.ragged_paged_attention, static_argnames=("spec",))
     packed = kernels_pallas.get_backend(backend).packed_layout
     for (hq, hkv), d, page, dtype, opts in KERNEL_CASES:
         b = make_batch(SEQS, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, seed=hkv)
@@ -77,11 +75,12 @@ def check_kernels(backend: str, interpret: bool) -> list[dict]:
         cache = convert_cache(stored, std, layout) if packed else stored
         q = jnp.asarray(b.q, jnp.bfloat16)
         scales = dict(k_scale=0.5, v_scale=2.0) if std.is_fp8 else {}
-        kw = dict(sm_scale=d ** -0.5, **opts, **scales)
+        spec = kernels_pallas.AttentionSpec(sm_scale=d ** -0.5, **opts, **scales)
         fn = jax.jit(lambda *a: kernels_pallas.ragged_paged_attention(
-            *a, backend=backend, interpret=interpret, layout=layout, **kw))
+            *a, spec=dataclasses.replace(spec, layout=layout), backend=backend,
+            interpret=interpret))
         got = fn(q, cache, *b.args[2:])
-        want = ref(q, stored, *b.args[2:], layout=std, **kw)  # the reference backend
+        want = ref(q, stored, *b.args[2:], spec=dataclasses.replace(spec, layout=std))  # the reference
         n = b.num_real_tokens
         err = float(jnp.max(jnp.abs(got[:n].astype(jnp.float32) - want[:n].astype(jnp.float32))))
         ok = bool(jnp.isfinite(got[:n].astype(jnp.float32)).all()) and np.allclose(

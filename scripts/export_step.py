@@ -42,6 +42,7 @@ from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_params
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.penalty_state import PenaltyState
+from jaxserve.worker.programs import ForwardKey, SamplerKey
 from jaxserve.worker.sampler import SamplerMode
 from jaxserve.worker.sampler_inputs import sampler_packing
 
@@ -169,11 +170,11 @@ def export_step(
     kv_type = "tensor<" + "x".join(map(str, kv.shape)) + f"x{element}>"
     last_sampled = jax.ShapeDtypeStruct((S,), jnp.int32)
     reports = []
-    forward = jax.jit(runner.stage_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+    forward = jax.jit(runner.stage_fn, static_argnums=(0,), donate_argnums=(2,))
     for T in (runner.token_buckets[0], runner.token_buckets[-1]):
         buf = jax.ShapeDtypeStruct((runner.forward_packing(T).size,), jnp.int32)
         exp = export.export(forward, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
-            0, T, False, stage.params, kv, last_sampled, buf)
+            ForwardKey(0, T), stage.params, kv, last_sampled, buf)
         problems = check_program(exp, kv_type)
         # Inputs besides the weights: the cache and last_sampled (both on the device) and
         # the step's one packed buffer.
@@ -185,7 +186,7 @@ def export_step(
     hidden = jax.ShapeDtypeStruct((runner.num_logit_rows, H), jnp.bfloat16)
     penalties = jax.eval_shape(lambda: runner.penalties)
     assert isinstance(penalties, PenaltyState)
-    sample = jax.jit(runner.sample_fn, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
+    sample = jax.jit(runner.sample_fn, static_argnums=(0,), donate_argnums=(3, 4))
     # verify: speculative decoding's rejection sampler (its row buckets, when configured).
     programs = [(runner.request_buckets[-1], False)]
     if runner.verify_buckets:
@@ -193,7 +194,7 @@ def export_step(
     for (R, verify), mode, proc in itertools.product(programs, SamplerMode, (False, True)):
         buf = jax.ShapeDtypeStruct((sampler_packing(R, verify).size,), jnp.int32)
         exp = export.export(sample, platforms=[platform], disabled_checks=DISABLED_CHECKS[platform])(
-            R, mode, verify, proc, stage.params, hidden, last_sampled, penalties, buf)
+            SamplerKey(R, mode, verify, proc), stage.params, hidden, last_sampled, penalties, buf)
         problems = check_program(exp, None)
         name = "verify" if verify else "sample"
         tag = ", processors" if proc else ""

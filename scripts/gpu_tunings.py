@@ -34,6 +34,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 import kernels_pallas  # noqa: E402, F401  (registers the backends)
 from jaxserve.worker.targets import make_devices, parse_target  # noqa: E402
 from kernels_pallas.ragged_paged_attention import gpu  # noqa: E402
+from kernels_pallas.registry import AttentionSpec  # noqa: E402
 
 # Llama-3-8B attention, one 256-token step of 64 sequences over 4,096 pages.
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, TOKENS, SEQS, PAGES, PAGES_PER_SEQ = 32, 8, 128, 16, 256, 64, 4096, 512
@@ -99,8 +100,9 @@ def check(target: str, device, block_q: int, pages_per_block: int, num_warps: in
             a((PAGES, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16), a((SEQS,), jnp.int32),
             a((SEQS, PAGES_PER_SEQ), jnp.int32), a((SEQS + 1,), jnp.int32), a((1,), jnp.int32))
     # The kernel itself, past the guard: what would the compiler say?
-    fn = lambda *x: gpu.ragged_paged_attention(*x, sm_scale=HEAD_DIM ** -0.5,  # noqa: E731
-                                               check=False, **tuning)
+    spec = AttentionSpec(sm_scale=HEAD_DIM ** -0.5)
+    fn = lambda *x: gpu.ragged_paged_attention(  # noqa: E731
+        *x, spec=spec, tuning=gpu.GpuTuning(**tuning, check=False))
     dump = tempfile.mkdtemp(prefix="gpu_tuning_")
     t0 = time.perf_counter()
     try:

@@ -17,13 +17,13 @@ from jax.sharding import Mesh, PartitionSpec
 import kernels_pallas
 from jaxserve.config import KVCacheDtype, WeightFormat
 from jaxserve.kv_cache_spec import FULL_ATTENTION, KVCacheGroups
-from jaxserve.models.checkpoint_quant import MXFP4_BLOCK
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
+from jaxserve.models.checkpoint_quant import MXFP4_BLOCK
 from jaxserve.models.layers import RMSNorm
-from jaxserve.models.quantization import GROUP_SIZE, dense as make_dense
+from jaxserve.models.quantization import GROUP_SIZE
+from jaxserve.models.quantization import dense as make_dense
 from jaxserve.models.rope import apply_rope
-
 
 # A token's heads (the first axis of its entries in every layout) over "model".
 KV_CACHE_SPEC = PartitionSpec(None, None, None, "model")
@@ -91,18 +91,18 @@ def kv_cache_layout(cfg: ArchConfig, attention_backend: str, kv_cache_dtype: KVC
                                           kv_cache_dtype.value, backend=attention_backend)
 
 
-def attention_options(cfg: ArchConfig, local: bool | None = None) -> dict[str, Any]:
-    """The model's attention variations the kernels take: the sliding window (Mistral's on
-    every layer; with per-layer kinds, a `local` layer's), Gemma 2's logit soft cap."""
-    out: dict[str, Any] = {}
+def attention_spec(cfg: ArchConfig, local: bool | None = None) -> kernels_pallas.AttentionSpec:
+    """What the model's attention computes: its scale, the sliding window (Mistral's on every
+    layer; with per-layer kinds, a `local` layer's), Gemma 2's logit soft cap. The cache's
+    layout and scales are added where the cache is known (`paged_attention`)."""
     types = cfg.layer_types
     if local is None:
         local = types is None or all(t == "sliding_attention" for t in types)
-    if cfg.sliding_window and local:
-        out["sliding_window"] = cfg.sliding_window
-    if cfg.attn_logit_softcap:
-        out["soft_cap"] = float(cfg.attn_logit_softcap)
-    return out
+    return kernels_pallas.AttentionSpec(
+        sm_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
+        sliding_window=cfg.sliding_window if cfg.sliding_window and local else None,
+        soft_cap=float(cfg.attn_logit_softcap) if cfg.attn_logit_softcap else None,
+    )
 
 
 def paged_attention(
@@ -114,10 +114,9 @@ def paged_attention(
     md: AttentionMetadata,  # of the layer's KV cache group
     sinks: jax.Array | None = None,  # [q_heads]: GPT-OSS's attention sinks
     *,
-    sm_scale: float,
+    spec: kernels_pallas.AttentionSpec,
     backend: str,
     interpret: bool,
-    options: dict[str, Any] | None = None,
     kv_cache_dtype: str,
     write: bool = True,
     read: bool = True,
@@ -129,29 +128,27 @@ def paged_attention(
     The cache is viewed as `[slots * num_pages, ...]` (a free reshape) with page ids
     and slots offset by `slot * num_pages`, so the kernels see an ordinary
     paged cache and no layer is copied out of the stack. `kv_cache_dtype` names the
-    values the cache holds ("float32", "bfloat16", "fp8", ...).
+    values the cache holds ("float32", "bfloat16", "fp8", ...); `spec` (`attention_spec`)
+    gets this device's cache layout and scales here.
     """
-    options = options or {}
     num_slots, num_pages, page_size = kv_cache.shape[:3]
     flat = kv_cache.reshape(num_slots * num_pages, *kv_cache.shape[2:])
     layout = kernels_pallas.kv_cache_layout(k.shape[1], k.shape[2], kv_cache_dtype, backend=backend)
-    kv: dict[str, Any] = dict(layout=layout)
-    if layout.is_fp8:
-        kv.update(k_scale=FP8_KV_SCALE, v_scale=FP8_KV_SCALE)
+    scale = FP8_KV_SCALE if layout.is_fp8 else None
+    spec = dataclasses.replace(spec, layout=layout, k_scale=scale, v_scale=scale)
     page_offset = slot * num_pages
     if write:
         with jax.named_scope("kv_cache_update"):
             flat = kernels_pallas.update_kv_cache(
                 flat, k, v, md.slot_mapping + page_offset * page_size, backend=backend,
-                interpret=interpret, **kv,
+                interpret=interpret, k_scale=scale, v_scale=scale, layout=layout,
             )
     if not read:
         return q, flat.reshape(kv_cache.shape)
     with jax.named_scope("attention"):
         out = kernels_pallas.ragged_paged_attention(
             q, flat, md.kv_lens, md.page_indices + page_offset, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, backend=backend, interpret=interpret, plan=md.plan, **options,
-            **kv, **({} if sinks is None else {"sinks": sinks}),
+            spec=spec, sinks=sinks, backend=backend, interpret=interpret, plan=md.plan,
         )
     return out, flat.reshape(kv_cache.shape)
 
@@ -203,9 +200,8 @@ class Attention(nn.Module):
 
         def attention(local: bool | None, write: bool = True, read: bool = True) -> Any:
             run = functools.partial(
-                paged_attention, sm_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
+                paged_attention, spec=attention_spec(cfg, local),
                 backend=opts.attention_backend, interpret=opts.attention_interpret,
-                options=attention_options(cfg, local),
                 kv_cache_dtype=opts.kv_cache_dtype.value, write=write,
                 read=read,
             )
@@ -230,17 +226,18 @@ class Attention(nn.Module):
         if kinds is None:
             # Layers of one kind: sliding ones (a Gemma 3 with no full layer, or a pipeline
             # stage of only sliding layers) take the sliding layers' rope.
-            local = bool(cfg.layer_types) and all(t == "sliding_attention" for t in cfg.layer_types)
+            layer_types = cfg.layer_types or ()
+            local = bool(layer_types) and all(t == "sliding_attention" for t in layer_types)
             out, kv_cache = attention(None)(rope(q, local), rope(k, local), v, kv_cache,
                                             slot, md)
         else:
             # Layers of both kinds in one scan. The cache is written outside the branch (a
             # branch that wrote it made XLA's GPU pipeline copy the cache); each branch only
             # reads it, with its window, rope and plan.
-            local = jnp.asarray(kinds)[layer_idx]
+            layer_is_local = jnp.asarray(kinds)[layer_idx]
             if cos.ndim == 3:
-                q = jnp.where(local, rope(q, True), rope(q, False))
-                k = jnp.where(local, rope(k, True), rope(k, False))
+                q = jnp.where(layer_is_local, rope(q, True), rope(q, False))
+                k = jnp.where(layer_is_local, rope(k, True), rope(k, False))
             else:
                 q, k = rope(q, False), rope(k, False)
             _, kv_cache = attention(None, read=False)(q, k, v, kv_cache, slot, md)
@@ -249,7 +246,7 @@ class Attention(nn.Module):
                 step_md = dataclasses.replace(md, plan=md.plan[int(is_local)])
                 return attention(is_local, write=False)(q, k, v, kv_cache, slot, step_md)[0]
 
-            out = jax.lax.cond(local, lambda: read(True), lambda: read(False))
+            out = jax.lax.cond(layer_is_local, lambda: read(True), lambda: read(False))
         out = dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj")(out.reshape(T, cfg.q_size),
                                                                  layer_idx)
         return out, kv_cache

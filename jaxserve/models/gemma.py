@@ -16,9 +16,9 @@ import flax.linen as nn
 import jax
 
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.attention import Attention, ModelOptions
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU
-from jaxserve.models.attention import Attention, ModelOptions
 
 
 class GemmaDecoderLayer(nn.Module):

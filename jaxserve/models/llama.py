@@ -29,13 +29,14 @@ import numpy as np
 import kernels_pallas
 from jaxserve.config import WeightFormat
 from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.attention import Attention, ModelOptions, attention_spec, kv_cache_layout
 from jaxserve.models.attention_metadata import AttentionMetadata
-from jaxserve.models.attention import Attention, ModelOptions, attention_options, kv_cache_layout
 from jaxserve.models.gemma import GemmaDecoderLayer
 from jaxserve.models.layers import RMSNorm, SwiGLU
 from jaxserve.models.moe import MixedMLP, MoE
+from jaxserve.models.quantization import dense as make_dense
+from jaxserve.models.quantization import embed as make_embed
 from jaxserve.models.rope import needs_seq_lens, rope_cos_sin, token_seq_lens
-from jaxserve.models.quantization import dense as make_dense, embed as make_embed
 from jaxserve.models.variables import INT8_LAYERS, MLP_STACKS
 
 
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         mlp_in = RMSNorm(cfg.rms_norm_eps, opts.dtype, name="post_attention_layernorm")(h)
+        mlp: MixedMLP | MoE | SwiGLU
         if cfg.moe_layers is not None:  # dense layers among the sparse
             mlp = MixedMLP(cfg, opts, name="mlp")
         elif cfg.num_experts:
@@ -133,11 +135,10 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = jnp.stack([cos, lc]), jnp.stack([sin, ls])
 
         def make_plan(local: bool | None) -> Any:
-            window = attention_options(cfg, local).get("sliding_window")
             return kernels_pallas.attention_plan(
                 md.kv_lens, md.page_indices[0], md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
-                page_size=kv_cache.shape[2], backend=self.opts.attention_backend,
-                **({"sliding_window": window} if window else {}))
+                page_size=kv_cache.shape[2], spec=attention_spec(cfg, local),
+                backend=self.opts.attention_backend)
 
         # Layers of both kinds: a plan for each (full, local), the layer picks its own.
         plan = make_plan(None) if cfg.local_layers is None else (make_plan(False), make_plan(True))

@@ -21,8 +21,6 @@
 //   on every call, the cost that made oneDNN slower than the AVX2 kernel for few tokens.
 //   w is [(L,) S]: S elements per layer (`bf16_matmul_onednn_packed_elements`, padding
 //   included).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -109,7 +107,7 @@ ffi::Error check(X& x, ffi::Buffer<ffi::BF16>& w, ffi::BufferR0<ffi::S32>& layer
 
 ffi::Error Bf16MatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                           ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  Dims d;
+  Dims d{};  // set by check() when it succeeds
   if (ffi::Error e = check(x, w, layer, y, "bf16_matmul", &d); e.failure()) return e;
   if (d.K % 32 != 0) return ffi::Error::InvalidArgument("bf16_matmul: K must be a multiple of 32");
   const float* xp = x.typed_data();
@@ -159,7 +157,7 @@ void onednn_matmul(const void* x, const dnnl::memory::desc& wm, const uint16_t* 
 
 ffi::Error OnednnImpl(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                       ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  Dims d;
+  Dims d{};  // set by check() when it succeeds
   if (ffi::Error e = check(x, w, layer, y, "bf16_matmul_onednn", &d); e.failure()) return e;
   // The weights as a [K, N] matrix stored column-major (tag ba): row n of w[l] is column n.
   const dnnl::memory::desc wm({d.K, d.N}, dnnl::memory::data_type::bf16, dnnl::memory::format_tag::ba);

@@ -56,7 +56,7 @@ def _installed_file(dist: str, suffix: str) -> Path:
         raise RuntimeError(f"no oneDNN: {dist} is not installed ({ONEDNN_INSTALL})") from None
     for f in found.files or []:
         if str(f).endswith(suffix):
-            return Path(found.locate_file(f)).resolve()
+            return Path(str(found.locate_file(f))).resolve()  # str(): typed a SimplePath, not PathLike
     raise RuntimeError(f"no oneDNN: {dist} has no {suffix} ({ONEDNN_INSTALL})")
 
 
@@ -87,7 +87,8 @@ class _Library(cpu_build.FfiLibrary):
             include, lib = onednn_paths()
             # Its version header in the cache key: an upgraded oneDNN rebuilds; rpath: the
             # library is found where pip put it, with no LD_LIBRARY_PATH.
-            path = cpu_build.build("bf16_matmul_onednn", SOURCE, (*FLAGS, *ONEDNN_FLAGS, f"-I{include}"),
+            # Its headers as system headers: their own warnings are not ours.
+            path = cpu_build.build("bf16_matmul_onednn", SOURCE, (*FLAGS, *ONEDNN_FLAGS, "-isystem", str(include)),
                                    [f"-L{lib}", f"-l:{ONEDNN_LIBRARY[1]}", f"-Wl,-rpath,{lib}"],
                                    [*headers, include / "oneapi" / "dnnl" / "dnnl_version.h"])
             quiet_openmp_threads()

@@ -104,6 +104,8 @@ def int8_matmul_gpu(x: jax.Array, qweight: jax.Array, scale: jax.Array, layer: j
     int4 = jnp.dtype(qweight.dtype) == jnp.dtype(jnp.int4)
     value_bytes = jax.dtypes.itemsize_bits(qweight.dtype) / 8
     group = k // groups if groups > 1 else None
+    values: tuple[jax.Array, ...]
+    xs: tuple[jax.Array, ...]
     if int4:  # bytes of two values each (a bitcast of XLA's packed int4), x's even and odd inputs
         values = (lax.bitcast_convert_type(qweight.reshape(*qweight.shape[:-1], k // 2, 2), jnp.int8),)
         xs = (x2[:, 0::2], x2[:, 1::2])

@@ -12,8 +12,6 @@
 // [L, N, K] operand so the layer scan passes the whole stack without slicing it.
 //
 // Threads: chunks of output rows on kernels_pallas/cpu_kernels.h's pool.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <string>

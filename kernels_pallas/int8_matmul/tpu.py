@@ -65,17 +65,19 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, groups: int, scale_rows: b
     x = x_ref[...]  # [bm, K]
     group = x.shape[-1] // groups
     nt = (((1,), (1,)), ((), ()))  # a @ b.T, the MXU's own form
-    acc = None
-    for j in range(groups):
+
+    def scaled_part(j: int) -> jax.Array:  # group j's products, scaled
         cols = slice(j * group, (j + 1) * group)
         q = q_ref[:, cols].astype(x.dtype)
         if scale_rows:
             part = jax.lax.dot_general(x[:, cols], q, nt, preferred_element_type=jnp.float32)
-            part = part * s_ref[j:j + 1, :].astype(jnp.float32)
-        else:
-            part = jax.lax.dot_general(q, x[:, cols], nt, preferred_element_type=jnp.float32)
-            part = part * s_ref[:, j:j + 1].astype(jnp.float32)
-        acc = part if acc is None else acc + part
+            return part * s_ref[j:j + 1, :].astype(jnp.float32)
+        part = jax.lax.dot_general(q, x[:, cols], nt, preferred_element_type=jnp.float32)
+        return part * s_ref[:, j:j + 1].astype(jnp.float32)
+
+    acc = scaled_part(0)
+    for j in range(1, groups):
+        acc = acc + scaled_part(j)
     o_ref[...] = (acc if scale_rows else acc.T).astype(o_ref.dtype)
 
 

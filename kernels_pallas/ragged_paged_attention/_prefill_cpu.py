@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import cpu_build
-from kernels_pallas.ragged_paged_attention._decode_cpu import sinks_operand, cache_why_not
+from kernels_pallas.ragged_paged_attention._decode_cpu import cache_why_not, sinks_operand
 
 SOURCE = Path(__file__).with_name("prefill_cpu.cc")
 TARGET = "kernels_pallas_paged_prefill_attention_cpu"

@@ -41,15 +41,43 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu
-from kernels_pallas.ragged_paged_attention.reference import (
-    DEFAULT_MASK_VALUE, gqa_layout, sink_denominator)
 from kernels_pallas.kv_cache import kv_cache_values
-from kernels_pallas.registry import register_backend
+from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu
+from kernels_pallas.ragged_paged_attention.reference import gqa_layout, sink_denominator
+from kernels_pallas.registry import AttentionSpec, register_backend
+
+_KERNEL_CHOICES = ("auto", "xla")
 
 
 @dataclass(frozen=True)
-class Tuning:
+class CpuTuning:
+    """The CPU variant's knobs (None: the defaults of `work_split`, measured on 2 cores at
+    SmolLM2-135M shapes). `decode_kernel`: "auto" runs the decode rows through the C++ kernel
+    (`decode_cpu.cc`) where it loads and takes the cache, "xla" keeps them in the XLA loop (its
+    oracle); `prefill_kernel` likewise for the prefill rows (`prefill_cpu.cc`, AVX-512)."""
+
+    block_q: int = 128  # query rows per prefill block
+    pages_per_block: int | None = None  # pages per prefill key step
+    decode_q_len: int = 1  # sequences with at most this many query tokens take the decode path
+    decode_pages_per_block: int | None = None  # pages per decode item
+    decode_items: int | None = None  # decode items per loop iteration
+    decode_kernel: str = "auto"
+    prefill_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("decode_kernel", "prefill_kernel"):
+            if getattr(self, name) not in _KERNEL_CHOICES:
+                raise ValueError(f"CpuTuning.{name} must be 'auto' or 'xla', not "
+                                 f"{getattr(self, name)!r}")
+        for name in ("block_q", "pages_per_block", "decode_q_len", "decode_pages_per_block",
+                     "decode_items"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"CpuTuning.{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class WorkSplit:
     """Static work split (resolved from the tuning knobs and the shapes)."""
 
     block_q: int  # query rows per prefill block
@@ -61,21 +89,19 @@ class Tuning:
     sliding_window: int | None
 
 
-def tuning_for(num_tokens: int, max_num_seqs: int, pages_per_seq: int, page_size: int, *,
-               block_q: int = 128, pages_per_block: int | None = None, decode_q_len: int = 1,
-               decode_pages_per_block: int | None = None, decode_items: int | None = None,
-               sliding_window: int | None = None) -> Tuning:
+def work_split(num_tokens: int, max_num_seqs: int, pages_per_seq: int, page_size: int,
+               tuning: CpuTuning, sliding_window: int | None) -> WorkSplit:
     """Defaults measured on 2 cores (SmolLM2-135M shapes): 128 x 256-key prefill blocks,
     64-key decode items, 4 to 32 of them per iteration with the token count."""
-    pages = min(pages_per_block or max(1, 256 // page_size), pages_per_seq)
-    decode_pages = min(decode_pages_per_block or max(1, 64 // page_size), pages_per_seq)
-    return Tuning(
-        block_q=min(block_q, num_tokens),
+    pages = min(tuning.pages_per_block or max(1, 256 // page_size), pages_per_seq)
+    decode_pages = min(tuning.decode_pages_per_block or max(1, 64 // page_size), pages_per_seq)
+    return WorkSplit(
+        block_q=min(tuning.block_q, num_tokens),
         block_kv=pages * page_size,
-        decode_q_len=decode_q_len,
+        decode_q_len=tuning.decode_q_len,
         decode_block_kv=decode_pages * page_size,
-        decode_items=decode_items or min(32, max(4, num_tokens // 2)),
-        decode_rows=min(num_tokens, max_num_seqs * decode_q_len),
+        decode_items=tuning.decode_items or min(32, max(4, num_tokens // 2)),
+        decode_rows=min(num_tokens, max_num_seqs * tuning.decode_q_len),
         sliding_window=sliding_window,
     )
 
@@ -104,10 +130,13 @@ class AttentionPlan:
 
 
 def make_plan(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
-         num_seqs: jax.Array, *, num_tokens: int, page_size: int, **tuning) -> AttentionPlan:
-    """Build the step's work lists (entries of the inputs past num_seqs may be junk)."""
+              num_seqs: jax.Array, *, num_tokens: int, page_size: int, spec: AttentionSpec,
+              tuning: CpuTuning | None = None) -> AttentionPlan:
+    """Build the step's work lists (entries of the inputs past num_seqs may be junk); of
+    `spec` only the sliding window matters."""
     max_num_seqs, pages_per_seq = page_indices.shape
-    tn = tuning_for(num_tokens, max_num_seqs, pages_per_seq, page_size, **tuning)
+    tn = work_split(num_tokens, max_num_seqs, pages_per_seq, page_size, tuning or CpuTuning(),
+                    spec.sliding_window)
     n = num_seqs[0]
     real = jnp.arange(max_num_seqs) < n
     cu = jnp.where(jnp.arange(max_num_seqs + 1) <= n, cu_q_lens, cu_q_lens[n])
@@ -169,39 +198,34 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    kv_cache_dtype: str = "auto",
-    plan: AttentionPlan | None = None,
-    decode_kernel: str = "auto",
-    prefill_kernel: str = "auto",
+    spec: AttentionSpec,
     sinks: jax.Array | None = None,
-    **tuning,
+    plan: AttentionPlan | None = None,
+    interpret: bool = False,
+    tuning: CpuTuning | None = None,
 ) -> jax.Array:
     """Ragged paged attention (layout: reference.py) with O(context) memory traffic.
 
-    `tuning` (see `tuning_for`): `block_q`, `pages_per_block`, `decode_q_len`,
-    `decode_pages_per_block`, `decode_items`, and `sliding_window`. `plan` is this step's
-    `make_plan(...)` (made here when not given). `decode_kernel`: "auto" runs the decode rows
-    through the C++ kernel (`decode_cpu.cc`) where it loads and takes the cache, "xla" keeps
-    them in the XLA loop (its oracle); `prefill_kernel` likewise for the prefill rows
-    (`prefill_cpu.cc`, AVX-512). `sinks`: the reference's. Returns `[num_tokens, num_q_heads, head_dim]` in
-    `q.dtype`, zeros on padding rows.
+    `spec` and `sinks`: the reference's; `tuning`: `CpuTuning`. `plan` is this step's
+    `make_plan(...)` (an `AttentionPlan`, made here when not given; it must come from the same
+    spec and tuning). `interpret` is ignored (no Pallas). Returns `[num_tokens, num_q_heads,
+    head_dim]` in `q.dtype`, zeros on padding rows.
     """
+    del interpret
+    tuning = tuning or CpuTuning()
+    sm_scale, soft_cap, mask_value = spec.sm_scale, spec.soft_cap, spec.mask_value
+    k_scale, v_scale, kv_cache_dtype = spec.k_scale, spec.v_scale, spec.kv_cache_dtype
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = kv_pages.shape[1]
     num_kv_heads, group = gqa_layout(q, kv_pages)
     max_num_seqs, pages_per_seq = page_indices.shape
-    tn = tuning_for(num_tokens, max_num_seqs, pages_per_seq, page_size, **tuning)
+    tn = work_split(num_tokens, max_num_seqs, pages_per_seq, page_size, tuning,
+                    spec.sliding_window)
     if plan is None:
         plan = make_plan(kv_lens, page_indices, cu_q_lens, num_seqs,
-                         num_tokens=num_tokens, page_size=page_size, **tuning)
-    mask_value = DEFAULT_MASK_VALUE if mask_value is None else mask_value
+                         num_tokens=num_tokens, page_size=page_size, spec=spec, tuning=tuning)
     seq_pages = _ceil_div(plan.kv_lens, page_size)
     # Pages as flat rows: a 1-D gather of whole rows is XLA's fastest gather on the CPU.
     kv_rows = kv_pages.reshape(kv_pages.shape[0], -1)
@@ -229,11 +253,8 @@ def ragged_paged_attention(
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     head_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
-    for name, value in (("decode_kernel", decode_kernel), ("prefill_kernel", prefill_kernel)):
-        if value not in ("auto", "xla"):
-            raise ValueError(f"{name} must be 'auto' or 'xla', not {value!r}")
     scaled = k_scale is not None or v_scale is not None
-    use_kernel = decode_kernel == "auto" and _decode_cpu.why_not(
+    use_kernel = tuning.decode_kernel == "auto" and _decode_cpu.why_not(
         num_q_heads, num_kv_heads, head_dim, page_size, kv_pages.dtype, kv_cache_dtype,
         scaled) is None
     if use_kernel:
@@ -245,7 +266,7 @@ def ragged_paged_attention(
     else:
         out = _decode(qf, plan, tn, read_keys, scores, mask_value, head_sinks)
     if num_tokens > tn.decode_q_len:  # else every real row is a decode row
-        if prefill_kernel == "auto" and _prefill_cpu.why_not(
+        if tuning.prefill_kernel == "auto" and _prefill_cpu.why_not(
                 head_dim, kv_pages.dtype, kv_cache_dtype, scaled) is None:
             prefill = _prefill_cpu.paged_prefill_attention(
                 qf.reshape(num_tokens, num_q_heads, head_dim), kv_pages, page_indices, plan.cu,
@@ -259,7 +280,7 @@ def ragged_paged_attention(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _decode(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float,
+def _decode(qf, plan: AttentionPlan, tn: WorkSplit, read_keys, scores, mask_value: float,
             sinks: jax.Array | None) -> jax.Array:
     """Per-token attention of the decode rows, as a flat list of (row, key block) items."""
     _, num_kv_heads, group, head_dim = qf.shape
@@ -306,7 +327,7 @@ def _decode(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: 
     return rows_out[plan.decode_rank]
 
 
-def _prefill(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value: float,
+def _prefill(qf, plan: AttentionPlan, tn: WorkSplit, read_keys, scores, mask_value: float,
              sinks: jax.Array | None) -> jax.Array:
     """Query blocks of one sequence each, each walking its own keys once."""
     num_tokens, num_kv_heads, group, head_dim = qf.shape
@@ -362,16 +383,9 @@ def _prefill(qf, plan: AttentionPlan, tn: Tuning, read_keys, scores, mask_value:
     return out[:num_tokens]
 
 
-def _cpu_backend(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                 sm_scale: float, interpret: bool = False, **options) -> jax.Array:
-    del interpret  # plain jax.numpy: nothing to interpret
-    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=sm_scale, **options)
-
-
 register_backend(
     "cpu",
-    _cpu_backend,
+    ragged_paged_attention,
     plan=make_plan,
     platforms=("cpu",),
     description="prefill: a C++/AVX-512 kernel over the cache in place (XLA loops of query "
@@ -379,7 +393,8 @@ register_backend(
                 "reading each token's own pages in place (the XLA loop of (token, key block) "
                 "items where it cannot); the CPU serving path",
     # The first runs the rows through the C++ kernels, the second through the XLA loops.
-    test_tuning=({}, {"block_q": 4, "pages_per_block": 1, "decode_pages_per_block": 1,
-                      "decode_items": 3, "decode_kernel": "xla", "prefill_kernel": "xla"}),
+    test_tuning=(CpuTuning(), CpuTuning(block_q=4, pages_per_block=1, decode_pages_per_block=1,
+                                        decode_items=3, decode_kernel="xla",
+                                        prefill_kernel="xla")),
     reads_kv_bits=True,
 )

@@ -17,8 +17,6 @@
 // Layout (kernels_pallas/kv_cache.py, "standard"): cache [num_pages, page_size, 2 * kvh, D],
 // key of kv head h at row 2h, value at 2h + 1. Keys past row_pos are never read (their slots
 // may hold anything); page-table entries are clamped into the cache.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -401,11 +399,13 @@ ffi::Error DecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
         "page_indices [S, P]");
   Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window,
            sinks.element_count() ? sinks.typed_data() : nullptr};
-  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+  // Element counts are size_t, dimensions int64_t: compared as int64_t.
+  const auto count = [](const auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (count(sinks) != 0 && count(sinks) != qd[1])
     return ffi::Error::InvalidArgument("paged_decode_attention: sinks must be [num_q_heads]");
   if (p.kvh == 0 || qd[1] % p.kvh != 0 || qd[1] / p.kvh > kMaxGroup || p.kvh > kMaxHeads || p.D % 8 != 0 ||
-      kChunkKeys % p.page_size != 0 || p.page_size % 8 != 0 || row_seq.element_count() != qd[0] ||
-      row_pos.element_count() != qd[0] || num_rows.element_count() != 1)
+      kChunkKeys % p.page_size != 0 || p.page_size % 8 != 0 || count(row_seq) != qd[0] ||
+      count(row_pos) != qd[0] || count(num_rows) != 1)
     return ffi::Error::InvalidArgument("paged_decode_attention: unsupported shapes");
   p.group = qd[1] / p.kvh;
   if (bf16_dots && (cache.element_type() == ffi::DataType::F32 || p.D % 32 != 0 || p.D > kMaxBf16D ||

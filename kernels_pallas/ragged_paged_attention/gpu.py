@@ -25,6 +25,7 @@ float32 running max / sum / accumulator (online softmax).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,9 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.kv_cache import KVCacheLayout
-from kernels_pallas.ragged_paged_attention.reference import (
-    DEFAULT_MASK_VALUE, no_sinks, sink_denominator)
-from kernels_pallas.registry import register_backend
+from kernels_pallas.ragged_paged_attention.reference import no_sinks, sink_denominator
+from kernels_pallas.registry import AttentionSpec, VariantPlan, jit_kernel, register_backend
 
 
 def next_pow2(n: int) -> int:
@@ -46,6 +46,26 @@ def next_pow2(n: int) -> int:
 # Threads per block on every CUDA GPU: num_warps * 32 may not exceed it (a larger block
 # compiles but can never launch).
 MAX_THREADS_PER_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTuning:
+    """The gpu variant's knobs (None: the defaults, see `ragged_paged_attention`): `block_q`
+    query tokens per program, `pages_per_block` pages per step, `num_warps` / `num_stages` for
+    Triton. `check=False` skips `check_tuning`, to ask the compiler itself
+    (scripts/gpu_tunings.py)."""
+
+    block_q: int | None = None
+    pages_per_block: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "pages_per_block", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"GpuTuning.{name} must be >= 1, got {value}")
 
 
 def check_tuning(*, block_q: int, pages_per_block: int,
@@ -117,11 +137,10 @@ def _kernel(
     # Keys needed by this block: up to the last real token's position (causal skip).
     last_t = jnp.minimum(q_start + block_q, q_end) - 1
     num_keys = jnp.where(q_start < q_end, last_t + (kv_len - q_end) + 1, 0)
+    start: jax.Array | int = 0  # the first key block (sliding: the window's)
     if sliding_window is not None:
         first_key = jnp.maximum(q_start + (kv_len - q_end) - sliding_window + 1, 0)
         start = first_key // block_k
-    else:
-        start = 0
 
     q = q_ref[h, pl.ds(q_start * group_pad, rows), :]  # [rows, D], all q heads of group h
 
@@ -198,9 +217,7 @@ def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
     return blocks * block_k * layout.bytes_per_token(), flops
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale", "block_q",
-    "pages_per_block", "num_warps", "num_stages", "interpret", "check"))
+@jit_kernel(static_argnames=("spec", "interpret", "tuning"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -209,27 +226,22 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    block_q: int | None = None,
-    pages_per_block: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-    interpret: bool = False,
-    check: bool = True,
+    spec: AttentionSpec,
     sinks: jax.Array | None = None,
+    plan: VariantPlan = None,
+    interpret: bool = False,
+    tuning: GpuTuning | None = None,
 ) -> jax.Array:
-    """Same contract as the reference. Tuning: `block_q` query tokens per program and
+    """Same contract as the reference (`plan` is ignored: the work list is this kernel's
+    own prologue). `tuning` (`GpuTuning`): `block_q` query tokens per program and
     `pages_per_block` pages per step (default: `default_tuning`), `num_warps` (default 4; 8
     for head_dim > 128 or a sliding window: Gemma's 256 spilled registers at 4 warps and 64
     keys on H200, and GPT-OSS's windowed heads of 64 in groups of 8 on H100) /
-    `num_stages` for Triton (`check_tuning` says which compile; `check=False` skips it, to ask
-    the compiler itself). head_dim and page_size must be powers of two. `sinks`: the
-    reference's."""
+    `num_stages` for Triton (`check_tuning` says which compile). head_dim and page_size must
+    be powers of two."""
+    del plan
+    tuning = tuning or GpuTuning()
+    sm_scale, sliding_window, soft_cap = spec.sm_scale, spec.sliding_window, spec.soft_cap
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_slots, _ = kv_pages.shape
     num_kv_heads = num_kv_slots // 2
@@ -240,9 +252,10 @@ def ragged_paged_attention(
                              "use backend='reference'")
     group_pad = next_pow2(group)
     default_bq, default_ppb = default_tuning(group_pad, head_dim, page_size)
-    block_q, pages_per_block = block_q or default_bq, pages_per_block or default_ppb
-    num_warps = num_warps or (8 if head_dim > 128 or sliding_window else 4)
-    if check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
+    block_q, pages_per_block = tuning.block_q or default_bq, tuning.pages_per_block or default_ppb
+    num_warps = tuning.num_warps or (8 if head_dim > 128 or sliding_window else 4)
+    num_stages = tuning.num_stages
+    if tuning.check and not interpret:  # interpret mode runs any tile (the tests' small tunings)
         check_tuning(block_q=block_q, pages_per_block=pages_per_block,
                      num_warps=num_warps, num_stages=num_stages)
 
@@ -263,9 +276,9 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel if sinks is not None else no_sinks(_kernel, 7), sm_scale=sm_scale, group=group, group_pad=group_pad, block_q=block_q,
         page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
-        soft_cap=soft_cap, mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value,
+        soft_cap=soft_cap, mask_value=spec.mask_value,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=spec.k_scale, v_scale=spec.v_scale)
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, seq.shape[0]),
@@ -326,5 +339,5 @@ register_backend(
     platforms=("cuda",),
     description="Pallas/Triton: (kv head, q block) grid, GQA group as one tile, online softmax",
     step_cost=step_cost,
-    test_tuning=({}, {"block_q": 2, "pages_per_block": 1}),
+    test_tuning=(GpuTuning(), GpuTuning(block_q=2, pages_per_block=1)),
 )

@@ -21,8 +21,6 @@
 // Layout (kernels_pallas/kv_cache.py, "standard"): cache [num_pages, page_size, 2 * kvh, D],
 // key of kv head h at row 2h, value at 2h + 1. Keys outside a row block's visible range are
 // never summed (their slots may hold NaN); page-table entries are clamped into the cache.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -350,11 +348,13 @@ ffi::Error PrefillImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
         "page_indices [S, P]");
   Params p{cd[0], cd[1], td[1], cd[2] / 2, 0, qd[2], sm_scale, soft_cap, sliding_window,
            sinks.element_count() ? sinks.typed_data() : nullptr};
-  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+  // Element counts are size_t, dimensions int64_t: compared as int64_t.
+  const auto count = [](const auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (count(sinks) != 0 && count(sinks) != qd[1])
     return ffi::Error::InvalidArgument("paged_prefill_attention: sinks must be [num_q_heads]");
   const int64_t S = td[0];
   if (p.kvh == 0 || qd[1] % p.kvh != 0 || p.D % 16 != 0 || p.D > kMaxD || block_q < 1 ||
-      cu.element_count() != S + 1 || q_lens.element_count() != S || kv_lens.element_count() != S)
+      count(cu) != S + 1 || count(q_lens) != S || count(kv_lens) != S)
     return ffi::Error::InvalidArgument("paged_prefill_attention: unsupported shapes");
   if (bf16_dots && cache.element_type() != ffi::DataType::BF16 && cache.element_type() != ffi::DataType::U16)
     return ffi::Error::InvalidArgument("paged_prefill_attention: bf16 dots need a bfloat16 cache");

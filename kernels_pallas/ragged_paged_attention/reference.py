@@ -29,6 +29,7 @@ under one compiled shape.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +37,20 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.kv_cache import kv_cache_values
-from kernels_pallas.registry import register_backend
+from kernels_pallas.registry import AttentionSpec, VariantPlan, register_backend
 
-# A large negative *finite* number: with -inf a fully masked page would give
-# exp(-inf - (-inf)) = nan in the online-softmax rescale.
-DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceTuning:
+    """`pages_per_step` pages are folded in per loop iteration (None: about 64 keys while the
+    per-step gather stays small; fewer, larger steps run faster on the CPU)."""
+
+    pages_per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pages_per_step is not None and self.pages_per_step < 1:
+            raise ValueError(f"ReferenceTuning.pages_per_step must be >= 1 or None, got "
+                             f"{self.pages_per_step}")
 
 
 def gqa_layout(q: jax.Array, kv_pages: jax.Array) -> tuple[int, int]:
@@ -111,34 +121,32 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    kv_cache_dtype: str = "auto",
-    pages_per_step: int | None = None,
+    spec: AttentionSpec,
     sinks: jax.Array | None = None,
+    plan: VariantPlan = None,
+    interpret: bool = False,
+    tuning: ReferenceTuning | None = None,
 ) -> jax.Array:
     """Ragged paged attention; see the module docstring for the layout.
 
-    `sliding_window=W` lets a query at position p see keys p-W+1..p; `soft_cap=c` applies
-    `c * tanh(s / c)` to the scores; `k_scale` / `v_scale` dequantize a low-precision cache;
-    `sinks` (float32 [num_q_heads], GPT-OSS's attention sinks) are one learned logit per q
-    head that joins every row's softmax denominator and has no value (`sink_denominator`).
-    `pages_per_step` pages are folded in per loop iteration (default: about 64 keys while
-    the per-step gather stays small; fewer, larger steps run faster on the CPU).
-    Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`, zeros on padding rows.
+    `spec` is what it computes (kernels_pallas/registry.py: window, soft cap, k / v scales,
+    `kv_cache_dtype` of a cache holding bits); `sinks` (float32 [num_q_heads], GPT-OSS's
+    attention sinks) are one learned logit per q head that joins every row's softmax
+    denominator and has no value (`sink_denominator`). `plan` and `interpret` are ignored
+    (no plan; plain jax.numpy). Returns `[num_tokens, num_q_heads, head_dim]` in `q.dtype`,
+    zeros on padding rows.
     """
+    del plan, interpret
+    sm_scale, sliding_window, soft_cap = spec.sm_scale, spec.sliding_window, spec.soft_cap
+    k_scale, v_scale, mask_value = spec.k_scale, spec.v_scale, spec.mask_value
+    kv_cache_dtype = spec.kv_cache_dtype
+    pages_per_step = (tuning or ReferenceTuning()).pages_per_step
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_slots, _ = kv_pages.shape
     num_kv_heads, group = gqa_layout(q, kv_pages)
     pages_per_seq = page_indices.shape[1]
-    if mask_value is None:
-        mask_value = DEFAULT_MASK_VALUE
     if pages_per_step is None:
         # ~64 keys per step, but keep the gathered [T, keys, 2*kvh, D] block under ~4M values.
         budget = max(1, (1 << 22) // (num_tokens * page_size * num_kv_slots * head_dim))
@@ -214,16 +222,9 @@ def ragged_paged_attention(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _reference_backend(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                       sm_scale: float, interpret: bool = False, **options) -> jax.Array:
-    del interpret  # plain jax.numpy: nothing to interpret
-    return ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                  sm_scale=sm_scale, **options)
-
-
 register_backend(
     "reference",
-    _reference_backend,
+    ragged_paged_attention,
     platforms=("cpu", "cuda", "tpu"),
     description="plain jax.numpy online softmax over pages; the CPU path and the oracle",
     reads_kv_bits=True,

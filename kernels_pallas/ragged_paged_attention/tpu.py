@@ -38,6 +38,7 @@ in VMEM scratch for the whole q block and each (seq, kv block) step updates only
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,9 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.kv_cache import KVCacheLayout
-from kernels_pallas.ragged_paged_attention.reference import (
-    DEFAULT_MASK_VALUE, no_sinks, sink_denominator)
-from kernels_pallas.registry import register_backend
+from kernels_pallas.ragged_paged_attention.reference import no_sinks, sink_denominator
+from kernels_pallas.registry import AttentionSpec, VariantPlan, jit_kernel, register_backend
 
 # (exponent bits, mantissa bits, bias) of the sub-32-bit value types, decoded in int32.
 _FLOAT_FORMATS = {"float16": (5, 10, 15), "fp8_e4m3": (4, 3, 7), "fp8_e5m2": (5, 2, 15)}
@@ -172,7 +172,7 @@ def _kernel(
         l_ref[h] = jnp.where(mine, alpha * l_prev + beta * p.sum(axis=1, keepdims=True), l_prev)
         acc_ref[h] = jnp.where(mine, alpha * acc_prev + beta * pv, acc_prev)
 
-    def attend(seq, kv_blk, buf):
+    def attend(seq: jax.Array, kv_blk: jax.Array, buf: jax.Array) -> None:
         q_start, q_end, kv_len = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1], kv_lens_ref[seq]
         t = blk_start + _div(lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group)
         kpos = kv_blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
@@ -231,6 +231,22 @@ def _kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class TpuTuning:
+    """The tpu variant's knobs (None: `default_tuning`'s): `block_q` tokens per program,
+    `pages_per_block` pages per DMA step, and Mosaic's `vmem_limit_bytes`."""
+
+    block_q: int | None = None
+    pages_per_block: int | None = None
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "pages_per_block", "vmem_limit_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"TpuTuning.{name} must be >= 1, got {value}")
+
+
 def default_tuning(num_q_heads: int, num_kv_heads: int, page_size: int) -> tuple[int, int]:
     """(block_q, pages_per_block): a 128-row q tile (at least 16 tokens), 128 keys a step."""
     group = num_q_heads // num_kv_heads
@@ -260,9 +276,7 @@ def step_cost(layout: KVCacheLayout, num_q_heads: int, page_size: int,
     return blocks * block_k * layout.bytes_per_token(), flops
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "layout", "sm_scale", "sliding_window", "soft_cap", "mask_value", "k_scale", "v_scale",
-    "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"))
+@jit_kernel(static_argnames=("spec", "interpret", "tuning"))
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, R * L] int32 (layout.packed)
@@ -271,23 +285,23 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,  # int32[max_num_seqs + 1]
     num_seqs: jax.Array,  # int32[1]
     *,
-    layout: KVCacheLayout,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    mask_value: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    block_q: int | None = None,
-    pages_per_block: int | None = None,
-    vmem_limit_bytes: int | None = None,
-    interpret: bool = False,
+    spec: AttentionSpec,
     sinks: jax.Array | None = None,
+    plan: VariantPlan = None,
+    interpret: bool = False,
+    tuning: TpuTuning | None = None,
 ) -> jax.Array:
-    """Same contract as the reference, over a packed cache. Tuning: `block_q` tokens per
-    program, `pages_per_block` pages per DMA step (defaults: `default_tuning`).
-    `interpret=True` runs the TPU interpreter (DMAs and semaphores simulated) on the CPU.
-    `sinks`: the reference's."""
+    """Same contract as the reference, over a packed cache: `spec.layout` is its layout
+    (`plan` is ignored). `tuning`: `TpuTuning`. `interpret=True` runs the TPU interpreter
+    (DMAs and semaphores simulated) on the CPU."""
+    del plan
+    layout = spec.layout
+    if layout is None or not layout.packed:
+        raise ValueError(f"the tpu variant reads a packed cache: spec.layout must be its packed "
+                         f"KVCacheLayout, got {layout}")
+    tuning = tuning or TpuTuning()
+    sm_scale, sliding_window, soft_cap = spec.sm_scale, spec.sliding_window, spec.soft_cap
+    k_scale, v_scale = spec.k_scale, spec.v_scale
     layout.check(kv_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size = kv_pages.shape[1]
@@ -297,7 +311,7 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     max_num_seqs, pages_per_seq = page_indices.shape
     default_bq, default_ppb = default_tuning(num_q_heads, num_kv_heads, page_size)
-    block_q, pages_per_block = block_q or default_bq, pages_per_block or default_ppb
+    block_q, pages_per_block = tuning.block_q or default_bq, tuning.pages_per_block or default_ppb
     num_q_blocks = pl.cdiv(num_tokens, block_q)
     padded = num_q_blocks * block_q
     rows = block_q * group
@@ -320,7 +334,7 @@ def ragged_paged_attention(
         _kernel if sinks is not None else no_sinks(_kernel, 7), layout=layout, sm_scale=sm_scale * (k_scale or 1.0), block_q=block_q,
         group=group, page_size=page_size, pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq, sliding_window=sliding_window, soft_cap=soft_cap,
-        mask_value=DEFAULT_MASK_VALUE if mask_value is None else mask_value, v_scale=v_scale)
+        mask_value=spec.mask_value, v_scale=v_scale)
     q_spec = pl.BlockSpec((num_kv_heads, rows, q_lanes), lambda i, *_: (0, i, 0))
     stats = pltpu.VMEM((num_kv_heads, rows, q_lanes), jnp.float32)
     in_specs, operands = [q_spec, pl.BlockSpec(memory_space=pl.ANY)], [qg, kv_pages]
@@ -347,7 +361,7 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         # No state crosses programs, so q blocks may be split across TensorCores.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=vmem_limit_bytes),
+                                             vmem_limit_bytes=tuning.vmem_limit_bytes),
         interpret=pltpu.InterpretParams() if interpret else False,
         # q in, out back; the cache's bytes depend on the step's lengths: step_cost.
         cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
@@ -371,5 +385,5 @@ register_backend(
     step_cost=step_cost,
     description="Pallas/Mosaic over the packed int32 cache: q-block grid, scalar-prefetched "
                 "page table, double-buffered page DMAs, GQA group as one tile",
-    test_tuning=({}, {"block_q": 8, "pages_per_block": 1}),
+    test_tuning=(TpuTuning(), TpuTuning(block_q=8, pages_per_block=1)),
 )

@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 
 from kernels_pallas.bf16_matmul import (
-    CPU_KERNEL_MAX_TOKENS, PACKED_FEW_TOKENS, bf16_matmul, bf16_matmul_packed, bf16_matmul_reference, cpu, cpu_path,
-    pack_weights, packed_elements)
+    CPU_KERNEL_MAX_TOKENS,
+    PACKED_FEW_TOKENS,
+    bf16_matmul,
+    bf16_matmul_packed,
+    bf16_matmul_reference,
+    cpu,
+    cpu_path,
+    pack_weights,
+    packed_elements,
+)
 
 
 def operands(m: int, n: int, k: int, layers: int | None = None, seed: int = 0):
@@ -132,7 +140,9 @@ def test_inside_a_layer_scan_each_layer_is_read_in_place():
     layers = jnp.arange(5, dtype=jnp.int32)
 
     def run(backend: str) -> jax.Array:
-        step = lambda h, l: (jnp.tanh(bf16_matmul(h, w, l, backend=backend)), None)
+        def step(h: jax.Array, l: jax.Array) -> tuple[jax.Array, None]:
+            return jnp.tanh(bf16_matmul(h, w, l, backend=backend)), None
+
         return jax.jit(lambda h: jax.lax.scan(step, h, layers)[0])(x)
 
     np.testing.assert_allclose(np.asarray(run("auto")), np.asarray(run("reference")), rtol=1e-4, atol=1e-5)
@@ -204,7 +214,9 @@ def test_packed_weights_in_a_layer_scan_and_unstacked():
     layers = jnp.arange(4, dtype=jnp.int32)
 
     def run(matmul) -> jax.Array:
-        step = lambda h, l: (jnp.tanh(matmul(h, l)), None)
+        def step(h: jax.Array, l: jax.Array) -> tuple[jax.Array, None]:
+            return jnp.tanh(matmul(h, l)), None
+
         return jax.jit(lambda h: jax.lax.scan(step, h, layers)[0])(x)
 
     want = run(lambda h, l: bf16_matmul(h, w, l, backend="onednn"))

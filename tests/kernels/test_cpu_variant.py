@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kernels_pallas import AttentionSpec
 from kernels_pallas.ragged_paged_attention import _decode_cpu, _prefill_cpu, cpu
 
 from .batches import make_batch, naive_attention, tolerance
@@ -25,13 +26,14 @@ KERNELS = pytest.mark.parametrize("decode_kernel", ["auto", "xla"], ids=["cpp", 
 
 
 def _check(seqs, *, num_tokens=None, dtype=np.float32, page_size=16, num_q_heads=6,
-           num_kv_heads=2, soft_cap=None, **tuning) -> None:
+           num_kv_heads=2, soft_cap=None, sliding_window=None, **tuning) -> None:
     batch = make_batch(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64,
                        page_size=page_size, num_tokens=num_tokens, dtype=dtype, seed=len(seqs))
-    fn = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.125,
-                                   soft_cap=soft_cap, **tuning))
+    spec = AttentionSpec(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    fn = jax.jit(functools.partial(cpu.ragged_paged_attention, spec=spec,
+                                   tuning=cpu.CpuTuning(**tuning)))
     got = np.asarray(fn(*batch.args), np.float32)
-    want = naive_attention(batch, sm_scale=0.125, sliding_window=tuning.get("sliding_window"),
+    want = naive_attention(batch, sm_scale=0.125, sliding_window=sliding_window,
                            soft_cap=soft_cap)
     n = batch.num_real_tokens
     assert np.isfinite(got[:n]).all()
@@ -118,17 +120,19 @@ def test_decode_kernel_refuses_what_it_cannot_read() -> None:
 
 def test_decode_kernel_name_is_checked() -> None:
     batch = make_batch([(1, 5)], num_q_heads=2, num_kv_heads=2, head_dim=64, page_size=16)
-    with pytest.raises(ValueError, match="decode_kernel"):
-        cpu.ragged_paged_attention(*batch.args, sm_scale=0.125, decode_kernel="fast")
+    with pytest.raises(ValueError, match="CpuTuning.decode_kernel"):
+        cpu.ragged_paged_attention(*batch.args, spec=AttentionSpec(sm_scale=0.125),
+                                   tuning=cpu.CpuTuning(decode_kernel="fast"))
 
 
 def test_plan_built_once_serves_every_call() -> None:
     batch = make_batch([(5, 40), (1, 80), (1, 2)], num_q_heads=6, num_kv_heads=2, head_dim=64,
                        page_size=16, seed=3)
+    spec = AttentionSpec(sm_scale=0.125)
     plan = cpu.make_plan(batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-                         num_tokens=batch.q.shape[0], page_size=16)
-    with_plan = cpu.ragged_paged_attention(*batch.args, sm_scale=0.125, plan=plan)
-    without = cpu.ragged_paged_attention(*batch.args, sm_scale=0.125)
+                         num_tokens=batch.q.shape[0], page_size=16, spec=spec)
+    with_plan = cpu.ragged_paged_attention(*batch.args, spec=spec, plan=plan)
+    without = cpu.ragged_paged_attention(*batch.args, spec=spec)
     np.testing.assert_array_equal(np.asarray(with_plan), np.asarray(without))
 
 
@@ -164,7 +168,8 @@ def test_prefill_kernel(cache_dots, page_size: int, num_q_heads: int, num_kv_hea
     batch = make_batch(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=page_size)
     plan = cpu.make_plan(batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs,
-                         num_tokens=batch.q.shape[0], page_size=page_size)
+                         num_tokens=batch.q.shape[0], page_size=page_size,
+                         spec=AttentionSpec(sm_scale=0.125))
     got = np.asarray(jax.jit(functools.partial(
         _prefill_cpu.paged_prefill_attention, sm_scale=0.125, soft_cap=soft_cap,
         sliding_window=window, decode_q_len=1, block_q=16, dots=dots))(
@@ -198,9 +203,10 @@ def test_a_bf16_cache_kept_as_bits_is_written_in_place_and_read_by_both_paths() 
     bits = jax.lax.bitcast_convert_type(jnp.asarray(batch.kv_pages), jnp.uint16)
     want = naive_attention(batch, sm_scale=0.125)
     n = batch.num_real_tokens
-    for kernels in ({}, {"decode_kernel": "xla", "prefill_kernel": "xla"}):
+    spec = AttentionSpec(sm_scale=0.125, layout=layout)
+    for tuning in (cpu.CpuTuning(), cpu.CpuTuning(decode_kernel="xla", prefill_kernel="xla")):
         got = kernels_pallas.ragged_paged_attention(
-            batch.q, bits, *batch.args[2:], sm_scale=0.125, backend="cpu", layout=layout, **kernels)
+            batch.q, bits, *batch.args[2:], spec=spec, backend="cpu", tuning=tuning)
         np.testing.assert_allclose(np.asarray(got, np.float32)[:n], want[:n], **tolerance(BF16))
     k = jnp.full((3, 2, 64), 1.5, jnp.float32)
     write = jax.jit(functools.partial(kernels_pallas.update_kv_cache, backend="cpu", layout=layout),

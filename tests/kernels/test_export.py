@@ -57,8 +57,11 @@ def test_attention_lowers(backend: str, platform: str, shape: str) -> None:
         jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     ]
-    fn = functools.partial(kernels_pallas.ragged_paged_attention, sm_scale=d ** -0.5,
-                           backend=backend, **options)
+    options = dict(options)
+    sinks = options.pop("sinks", None)  # weights: an array argument, not part of the spec
+    fn = functools.partial(kernels_pallas.ragged_paged_attention,
+                           spec=kernels_pallas.AttentionSpec(sm_scale=d ** -0.5, **options),
+                           sinks=sinks, backend=backend)
     exported = export.export(jax.jit(fn), platforms=[platform],
                              disabled_checks=DISABLED_CHECKS[platform])(*args)
     assert exported.out_avals[0].shape == (t, hq, d)

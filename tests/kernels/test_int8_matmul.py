@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 
 from kernels_pallas.int8_matmul import (
-    CPU_KERNEL_MAX_TOKENS, cpu, cpu_kernel_applies, int8_matmul, int8_matmul_reference)
+    CPU_KERNEL_MAX_TOKENS,
+    cpu,
+    cpu_kernel_applies,
+    int8_matmul,
+    int8_matmul_reference,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

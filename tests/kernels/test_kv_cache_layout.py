@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas
+from kernels_pallas import AttentionSpec
 from kernels_pallas.kv_cache import KVCacheLayout, convert_cache
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention as reference
 
@@ -78,16 +79,16 @@ def test_a_cache_comes_with_its_layout() -> None:
     q = jnp.ones((2, 6, 64), BF16)
     args = (jnp.asarray([2], jnp.int32), jnp.asarray([[1, 0, 0, 0]], jnp.int32),
             jnp.asarray([0, 2], jnp.int32), jnp.asarray([1], jnp.int32))
-    out = kernels_pallas.ragged_paged_attention(q, written, *args, sm_scale=0.125, layout=layout)
+    out = kernels_pallas.ragged_paged_attention(
+        q, written, *args, spec=AttentionSpec(sm_scale=0.125, layout=layout))
     np.testing.assert_allclose(np.asarray(out, np.float32), 1.0, rtol=1e-2)  # v is all ones
     with pytest.raises(ValueError, match="new_kv_cache"):
-        kernels_pallas.ragged_paged_attention(q, written, *args, sm_scale=0.125)
+        kernels_pallas.ragged_paged_attention(q, written, *args, spec=AttentionSpec(sm_scale=0.125))
 
 
 @functools.cache
 def _reference_jit():
-    return jax.jit(reference, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                               "k_scale", "v_scale"))
+    return jax.jit(reference, static_argnames=("spec",))
 
 
 # (q heads, kv heads) for GQA groups 1 / 4 / 8, head dim, page size, value dtype, options:
@@ -121,10 +122,13 @@ def test_tpu_kernel_on_packed_cache_matches_reference(heads, head_dim, page_size
                           else values, standard, packed)
     assert cache.dtype == jnp.int32 and cache.shape[2:] == packed.token_shape
     scales = dict(k_scale=0.5, v_scale=2.0) if standard.is_fp8 else {}
-    opts = dict(sm_scale=head_dim ** -0.5, **options, **scales)
+    from kernels_pallas.ragged_paged_attention.tpu import TpuTuning
+
+    spec = AttentionSpec(sm_scale=head_dim ** -0.5, **options, **scales)
     got = kernels_pallas.ragged_paged_attention(
-        q, cache, *batch.args[2:], backend="tpu", interpret=True, layout=packed, **opts, **tuning)
-    want = _reference_jit()(q, values, *batch.args[2:], **opts)
+        q, cache, *batch.args[2:], spec=dataclasses.replace(spec, layout=packed), backend="tpu",
+        interpret=True, tuning=TpuTuning(**tuning))
+    want = _reference_jit()(q, values, *batch.args[2:], spec=spec)
     n = batch.num_real_tokens
     got, want = np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n]
     assert np.isfinite(got).all(), "NaN in real rows: a read past kv_len or a bad page"
@@ -144,10 +148,11 @@ def test_every_backend_takes_the_tpu_cache(backend: str) -> None:
     assert (cache.shape, cache.dtype) == kernels_pallas.kv_cache_shape(
         values.shape[0], 16, 3, 64, "bfloat16", "tpu")
     tuning = kernels_pallas.get_backend(backend).test_tuning[-1]
-    got = kernels_pallas.ragged_paged_attention(q, cache, *batch.args[2:], sm_scale=0.125,
-                                                backend=backend, interpret=True, layout=packed,
-                                                **tuning)
-    want = _reference_jit()(q, values, *batch.args[2:], sm_scale=0.125)
+    spec = AttentionSpec(sm_scale=0.125)
+    got = kernels_pallas.ragged_paged_attention(q, cache, *batch.args[2:],
+                                                spec=dataclasses.replace(spec, layout=packed),
+                                                backend=backend, interpret=True, tuning=tuning)
+    want = _reference_jit()(q, values, *batch.args[2:], spec=spec)
     n = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n],
                                **tolerance(BF16))

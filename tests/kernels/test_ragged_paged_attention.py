@@ -10,6 +10,7 @@ kv blocks even for tiny batches). Unused cache slots are NaN (see batches.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import kernels_pallas
+from kernels_pallas import AttentionSpec
 from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention as reference
 
 from .batches import make_batch, tolerance
@@ -63,14 +65,15 @@ PARAMS = [
 
 @functools.cache
 def _reference_jit():
-    return jax.jit(reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+    return jax.jit(reference, static_argnames=("spec",))
 
 
-def _run(backend_name: str, batch, tuning_index: int, **options) -> np.ndarray:
+def _run(backend_name: str, batch, tuning_index: int, spec: AttentionSpec,
+         sinks: jax.Array | None = None) -> np.ndarray:
     backend = kernels_pallas.get_backend(backend_name)
     tuning = backend.test_tuning[tuning_index % len(backend.test_tuning)]
     out = kernels_pallas.ragged_paged_attention(
-        *batch.args, backend=backend_name, interpret=True, **options, **tuning)
+        *batch.args, spec=spec, sinks=sinks, backend=backend_name, interpret=True, tuning=tuning)
     return np.asarray(out, np.float32)
 
 
@@ -80,9 +83,9 @@ def test_matches_reference(backend: str, case: str, config, tuning_index: int) -
     batch = make_batch(_cases(page_size)[case], num_q_heads=num_q_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                        dtype=dtype, seed=tuning_index)
-    scale = head_dim ** -0.5
-    got = _run(backend, batch, tuning_index, sm_scale=scale)
-    want = np.asarray(_reference_jit()(*batch.args, sm_scale=scale), np.float32)
+    spec = AttentionSpec(sm_scale=head_dim ** -0.5)
+    got = _run(backend, batch, tuning_index, spec)
+    want = np.asarray(_reference_jit()(*batch.args, spec=spec), np.float32)
     n = batch.num_real_tokens  # padding rows are unspecified: ignored
     assert np.isfinite(got[:n]).all(), "NaN/inf in real rows: a read past kv_len or a bad page"
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(dtype))
@@ -92,9 +95,9 @@ def test_matches_reference(backend: str, case: str, config, tuning_index: int) -
 def test_sliding_window_and_soft_cap(backend: str) -> None:
     batch = make_batch(_cases(16)["chunked_prefill"] + [(1, 40)], num_q_heads=4,
                        num_kv_heads=2, head_dim=64, page_size=16, seed=4)
-    options = dict(sm_scale=0.125, sliding_window=20, soft_cap=3.0)
-    got = _run(backend, batch, 1, **options)
-    want = np.asarray(_reference_jit()(*batch.args, **options))
+    spec = AttentionSpec(sm_scale=0.125, sliding_window=20, soft_cap=3.0)
+    got = _run(backend, batch, 1, spec)
+    want = np.asarray(_reference_jit()(*batch.args, spec=spec))
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
 
@@ -108,12 +111,12 @@ def test_attention_sinks(backend: str, tuning_index: int) -> None:
     batch = make_batch(_cases(16)["mixed"] + [(1, 40)], num_q_heads=6, num_kv_heads=2,
                        head_dim=64, page_size=16, seed=7)
     sinks = jnp.asarray([0.5, -2.0, 4.0, -30.0, 1.0, 0.0], jnp.float32)
-    options = dict(sm_scale=0.125, sliding_window=20)
-    got = _run(backend, batch, tuning_index, sinks=sinks, **options)
-    want = np.asarray(reference(*batch.args, sinks=sinks, **options))
+    spec = AttentionSpec(sm_scale=0.125, sliding_window=20)
+    got = _run(backend, batch, tuning_index, spec, sinks=sinks)
+    want = np.asarray(reference(*batch.args, spec=spec, sinks=sinks))
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
-    plain = np.asarray(reference(*batch.args, **options))
+    plain = np.asarray(reference(*batch.args, spec=spec))
     assert not np.allclose(want[:n], plain[:n], atol=1e-3)  # the sinks took their share
 
 
@@ -152,21 +155,21 @@ def test_fp8_cache_with_scales(backend: str) -> None:
     pages[:, :, 1::2] /= v_scale
     fp8 = jnp.asarray(pages).astype(jnp.float8_e4m3fn)
     bits = jax.lax.bitcast_convert_type(fp8, jnp.uint8)
-    options = dict(sm_scale=0.125, k_scale=k_scale, v_scale=v_scale)
-    got = _run_args(backend, (batch.q, bits, *batch.args[2:]), kv_cache_dtype="fp8_e4m3", **options)
-    want = np.asarray(jax.jit(reference, static_argnames=tuple(options))(
-        batch.q, fp8, *batch.args[2:], **options))
+    spec = AttentionSpec(sm_scale=0.125, k_scale=k_scale, v_scale=v_scale)
+    got = _run_args(backend, (batch.q, bits, *batch.args[2:]),
+                    dataclasses.replace(spec, kv_cache_dtype="fp8_e4m3"))
+    want = np.asarray(_reference_jit()(batch.q, fp8, *batch.args[2:], spec=spec))
     n = batch.num_real_tokens
     assert np.isfinite(got[:n]).all()
     np.testing.assert_allclose(got[:n], want[:n], **tolerance(np.float32))
-    exact = np.asarray(_reference_jit()(*batch.args, sm_scale=0.125))
+    exact = np.asarray(_reference_jit()(*batch.args, spec=AttentionSpec(sm_scale=0.125)))
     np.testing.assert_allclose(got[:n], exact[:n], atol=0.1, rtol=0.1)  # e4m3: 3 mantissa bits
 
 
-def _run_args(backend_name: str, args, **options) -> np.ndarray:
+def _run_args(backend_name: str, args, spec: AttentionSpec) -> np.ndarray:
     tuning = kernels_pallas.get_backend(backend_name).test_tuning[0]
-    out = kernels_pallas.ragged_paged_attention(*args, backend=backend_name, interpret=True,
-                                                **options, **tuning)
+    out = kernels_pallas.ragged_paged_attention(*args, spec=spec, backend=backend_name,
+                                                interpret=True, tuning=tuning)
     return np.asarray(out, np.float32)
 
 
@@ -200,9 +203,10 @@ def test_gpu_tunings_that_compile_are_correct(tuning) -> None:
     gpu.check_tuning(**{"num_warps": 4, "num_stages": 2, **tuning})  # the guard accepts it
     batch = make_batch(_cases(16)["mixed"] + _cases(16)["chunked_prefill"], num_q_heads=8,
                        num_kv_heads=2, head_dim=128, page_size=16, dtype=BF16, seed=11)
-    got = kernels_pallas.ragged_paged_attention(*batch.args, sm_scale=128 ** -0.5, backend="gpu",
-                                                interpret=True, **tuning)
-    want = _reference_jit()(*batch.args, sm_scale=128 ** -0.5)
+    spec = AttentionSpec(sm_scale=128 ** -0.5)
+    got = kernels_pallas.ragged_paged_attention(*batch.args, spec=spec, backend="gpu",
+                                                interpret=True, tuning=gpu.GpuTuning(**tuning))
+    want = _reference_jit()(*batch.args, spec=spec)
     n = batch.num_real_tokens
     np.testing.assert_allclose(np.asarray(got, np.float32)[:n], np.asarray(want, np.float32)[:n],
                                **tolerance(BF16))
@@ -237,3 +241,41 @@ def test_step_cost_counts_the_blocks_each_kernel_reads() -> None:
     assert gpu.step_cost(standard, 9, 16, [1, 1], [100, 100]) == (4 * 64 * 768, 4 * 3 * 4 * 32 * 64 * 64)
     # The prefill: 13 work items; those ending at <= 64 keys (8) read one block, the rest 2.
     assert gpu.step_cost(standard, 9, 16, [100], [100])[0] == (8 + 5 * 2) * 64 * 768
+
+
+@pytest.mark.parametrize("field,value", [
+    ("sm_scale", 0.0), ("sm_scale", jnp.float32(0.1)), ("sliding_window", 0),
+    ("sliding_window", 2.5), ("soft_cap", -1.0), ("k_scale", 0.0), ("v_scale", float("nan")),
+    ("mask_value", float("-inf")), ("mask_value", 1.0), ("kv_cache_dtype", "int4"),
+    ("layout", "packed"),
+])
+def test_attention_spec_names_the_bad_field(field: str, value) -> None:
+    fields = {"sm_scale": 0.125, field: value}
+    with pytest.raises(ValueError, match=f"AttentionSpec.{field}"):
+        AttentionSpec(**fields)
+
+
+def test_attention_spec_is_a_static_argument() -> None:
+    """Equal specs hash equal (one compile), numpy numbers included; a record differs from
+    another by its math only."""
+    spec = AttentionSpec(sm_scale=np.float64(0.125), sliding_window=np.int32(20))
+    assert spec == AttentionSpec(sm_scale=0.125, sliding_window=20)
+    assert hash(spec) == hash(AttentionSpec(sm_scale=0.125, sliding_window=20))
+    assert type(spec.sm_scale) is float and type(spec.sliding_window) is int
+    assert {spec, dataclasses.replace(spec, soft_cap=3.0)} != {spec}
+
+
+def test_every_variant_takes_the_same_contract() -> None:
+    """The registry's promise: every variant's attention takes `spec=`, `sinks=`, `plan=`,
+    `interpret=`, `tuning=` (what tests/kernels and the dispatcher pass), and its test tunings
+    are frozen, hashable records of one type."""
+    import inspect
+
+    for name in kernels_pallas.list_backends():
+        backend = kernels_pallas.get_backend(name)
+        params = inspect.signature(backend.attention).parameters
+        assert {"spec", "sinks", "plan", "interpret", "tuning"} <= set(params), name
+        records = [t for t in backend.test_tuning if t is not None]
+        assert len({type(t) for t in records}) <= 1, name
+        for t in records:
+            assert dataclasses.is_dataclass(t) and hash(t) is not None, name

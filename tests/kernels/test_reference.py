@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kernels_pallas
-from kernels_pallas.ragged_paged_attention.reference import ragged_paged_attention
+from kernels_pallas import AttentionSpec
+from kernels_pallas.ragged_paged_attention.reference import ReferenceTuning, ragged_paged_attention
 
 from .batches import make_batch, naive_attention, tolerance
 
@@ -30,7 +31,8 @@ def test_reference_matches_numpy(case: str, heads: tuple[int, int]) -> None:
     batch = make_batch(CASES[case], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
                        page_size=16, seed=len(case))
     scale = 64 ** -0.5
-    got = jax.jit(ragged_paged_attention, static_argnames="sm_scale")(*batch.args, sm_scale=scale)
+    got = jax.jit(ragged_paged_attention, static_argnames="spec")(
+        *batch.args, spec=AttentionSpec(sm_scale=scale))
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
     np.testing.assert_allclose(np.asarray(got), naive_attention(batch, sm_scale=scale),
                                **tolerance(np.float32))
@@ -41,7 +43,7 @@ def test_reference_matches_numpy(case: str, heads: tuple[int, int]) -> None:
 def test_reference_dtypes_and_shapes(dtype, page_size: int, head_dim: int) -> None:
     batch = make_batch(CASES["mixed"] + [(3, 70)], num_q_heads=6, num_kv_heads=2,
                        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=3)
-    got = ragged_paged_attention(*batch.args, sm_scale=0.1)
+    got = ragged_paged_attention(*batch.args, spec=AttentionSpec(sm_scale=0.1))
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), naive_attention(batch, sm_scale=0.1),
                                **tolerance(dtype))
@@ -51,8 +53,8 @@ def test_reference_dtypes_and_shapes(dtype, page_size: int, head_dim: int) -> No
 def test_reference_sliding_window_and_soft_cap(sliding_window, soft_cap) -> None:
     batch = make_batch(CASES["chunked_prefill"] + [(1, 70)], num_q_heads=4, num_kv_heads=2,
                        head_dim=64, page_size=16, seed=5)
-    got = ragged_paged_attention(*batch.args, sm_scale=0.2, sliding_window=sliding_window,
-                                 soft_cap=soft_cap)
+    spec = AttentionSpec(sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
+    got = ragged_paged_attention(*batch.args, spec=spec)
     want = naive_attention(batch, sm_scale=0.2, sliding_window=sliding_window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(got), want, **tolerance(np.float32))
 
@@ -63,7 +65,8 @@ def test_reference_attention_sinks() -> None:
     batch = make_batch(CASES["chunked_prefill"] + [(1, 70)], num_q_heads=4, num_kv_heads=2,
                        head_dim=64, page_size=16, seed=6)
     sinks = np.array([0.5, -2.0, 30.0, -30.0], np.float32)
-    got = ragged_paged_attention(*batch.args, sm_scale=0.2, sliding_window=20, sinks=sinks)
+    got = ragged_paged_attention(*batch.args, spec=AttentionSpec(sm_scale=0.2, sliding_window=20),
+                                 sinks=sinks)
     want = naive_attention(batch, sm_scale=0.2, sliding_window=20, sinks=sinks)
     np.testing.assert_allclose(np.asarray(got), want, **tolerance(np.float32))
 
@@ -72,16 +75,18 @@ def test_reference_huge_flattened_cache_and_all_padding() -> None:
     """Page ids offset into a stacked all-layer cache, and a batch with no real sequence."""
     batch = make_batch(CASES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64,
                        page_size=16, extra_pages=2000, seed=7)
-    got = ragged_paged_attention(*batch.args, sm_scale=0.3)
+    spec = AttentionSpec(sm_scale=0.3)
+    got = ragged_paged_attention(*batch.args, spec=spec, tuning=ReferenceTuning(pages_per_step=3))
     np.testing.assert_allclose(np.asarray(got), naive_attention(batch, sm_scale=0.3),
                                **tolerance(np.float32))
-    empty = ragged_paged_attention(*batch.args[:5], np.array([0], np.int32), sm_scale=0.3)
+    empty = ragged_paged_attention(*batch.args[:5], np.array([0], np.int32), spec=spec)
     assert not np.asarray(empty).any()
 
 
 def test_dispatch_and_registry() -> None:
     batch = make_batch(CASES["mixed"], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
-    got = kernels_pallas.ragged_paged_attention(*batch.args, sm_scale=0.3, backend="reference")
+    got = kernels_pallas.ragged_paged_attention(*batch.args, spec=AttentionSpec(sm_scale=0.3),
+                                                backend="reference")
     np.testing.assert_allclose(np.asarray(got), naive_attention(batch, sm_scale=0.3),
                                **tolerance(np.float32))
     assert kernels_pallas.list_backends()[0] == "reference"

@@ -204,8 +204,7 @@ def test_codex_tools_namespace_and_hosted(client: openai.OpenAI) -> None:
 def test_the_agents_sdk_default_model_runs_a_function_tool(server: RemoteServer) -> None:
     """The OpenAI Agents SDK's default model (OpenAIResponsesModel) runs an agent whose first
     turn must call the tool; the SDK runs it and sends its output back for the final answer."""
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
     calls: list[str] = []

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from jaxserve.api_server.serving import OpenAIError
 from jaxserve.api_server.responses_items import StreamEvents, input_messages, output_items
+from jaxserve.api_server.serving import OpenAIError
 
 
 def test_input_items_become_chat_messages() -> None:

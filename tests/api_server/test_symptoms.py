@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 from jaxserve.api_server.symptoms import ServerFacts, diagnose
-from jaxserve.metrics.prometheus import ServerMetrics
-from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.engine_core.stats import SchedulerStats, StepStats
 from jaxserve.engine_core.step_trace import StepEntry, StepTrace
+from jaxserve.metrics.prometheus import ServerMetrics
+from jaxserve.metrics.trace_store import TraceStore
 from jaxserve.request_trace import RequestTrace
 
 FACTS = ServerFacts(max_num_seqs=4, max_num_batched_tokens=512)

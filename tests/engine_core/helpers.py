@@ -5,8 +5,8 @@ from __future__ import annotations
 import zlib
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
-from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
+from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.request import Request
 from jaxserve.engine_core.sched_output import SchedulerOutput
 from jaxserve.engine_core.scheduler import Scheduler

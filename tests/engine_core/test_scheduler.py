@@ -4,8 +4,8 @@ import msgpack
 import pytest
 
 from jaxserve.config import SchedulingPolicy
-from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
+from jaxserve.engine_core.model_runner_output import LogprobsLists, ModelRunnerOutput
 from jaxserve.engine_core.request import RequestStatus
 from jaxserve.engine_core.step_trace import StepEntry, StepTrace
 from jaxserve.engine_core.wire import decode_record, encode_record

@@ -9,8 +9,8 @@ import pytest
 
 from jaxserve.engine_core.request import InvalidRequestError, Request
 from jaxserve.engine_core.structured_output import StructuredOutputManager, grammar_text
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.models.tokenizer import load_tokenizer
+from jaxserve.sampling_params import SamplingParams
 
 
 def allowed(mask: np.ndarray, vocab: int) -> np.ndarray:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from jaxserve.kv_cache_spec import KVCacheGroups
-
+from jaxserve.config import KVCacheDtype, ResolvedConfig, WeightFormat
 from jaxserve.engine.messages import EngineCoreRequest, EngineReady
 from jaxserve.engine_core.spec_decode import SpecDecodingStats
 from jaxserve.engine_core.stats import PrefixCacheStats, SchedulerStats, StepStats
 from jaxserve.engine_core.step_trace import StepTrace
 from jaxserve.engine_core.wire import decode_record, encode_record
-from jaxserve.config import KVCacheDtype, ResolvedConfig, WeightFormat
+from jaxserve.kv_cache_spec import KVCacheGroups
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 

@@ -9,17 +9,20 @@ import numpy as np
 import pytest
 
 from jaxserve.config import CPU_AUTO_BF16_ENV, CPU_PACKED_WEIGHTS_ENV, WeightFormat
-from jaxserve.engine.arg_utils import make_engine_config
-from jaxserve.models import ArchConfig
 from jaxserve.engine import resolve as resolve_mod
+from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.engine.resolve import resolve_packed_weights, resolve_quantization
+from jaxserve.models import ArchConfig
 
 _SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 # resolve_quantization takes the architecture as a reader (called only when it matters).
-DENSE = lambda: ArchConfig(architecture="LlamaForCausalLM", **_SHAPE)
-MOE = lambda: ArchConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                         **_SHAPE)
+def DENSE() -> ArchConfig:
+    return ArchConfig(architecture="LlamaForCausalLM", **_SHAPE)
+
+
+def MOE() -> ArchConfig:
+    return ArchConfig(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, **_SHAPE)
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import pytest
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.tiny import (
-    hf_greedy, hf_logits, hf_prompt_logprobs, on_fake_devices, save_tiny_hf)
+from tests.models.tiny import hf_greedy, hf_logits, hf_prompt_logprobs, on_fake_devices, save_tiny_hf
 
 PROMPTS = [list(range(10, 60)), [3], [(5 * i) % 120 + 1 for i in range(23)]]
 WINDOW = 8  # every prompt but one is longer: local layers see only the last 8 keys

@@ -16,7 +16,8 @@ import pytest
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.test_gemma import GEMMA3_TYPES, KINDS as GEMMA_KINDS
+from tests.models.test_gemma import GEMMA3_TYPES
+from tests.models.test_gemma import KINDS as GEMMA_KINDS
 from tests.models.test_gguf_loader import llama_cpp_permute
 from tests.models.tiny import hf_logits, save_tiny_hf
 

@@ -21,8 +21,7 @@ from jaxserve.models.attention import ModelOptions
 from jaxserve.models.checkpoint_quant import MXFP4_BLOCK, MXFP4_VALUES
 from jaxserve.models.loaders import load_checkpoint
 from tests.models.forward import prompt_logits
-from tests.models.tiny import (
-    hf_greedy, hf_logits, hf_prompt_logprobs, on_fake_devices, save_tiny_hf)
+from tests.models.tiny import hf_greedy, hf_logits, hf_prompt_logprobs, on_fake_devices, save_tiny_hf
 
 WINDOW = 8
 PROMPTS = [list(range(10, 92)), [3], [(5 * i) % 120 + 1 for i in range(23)]]  # 82 = 10 windows +
@@ -47,6 +46,7 @@ def save_tiny_gpt_oss(out_dir: str) -> tuple[str, str]:
     """(a float checkpoint whose experts hold MXFP4 values, the same stored as MXFP4)."""
     import torch
     import transformers
+
     from jaxserve.models.checkpoint_quant import dequantize_mxfp4
 
     base = save_tiny_hf("gpt_oss", os.path.join(out_dir, "base"), initializer_range=0.2,

@@ -13,8 +13,7 @@ from jaxserve.engine.arg_utils import make_engine_config
 from jaxserve.models import LlamaForCausalLM
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.loaders import load_checkpoint
-from jaxserve.models.quantization import (
-    dequantize_int8, pack_params, param_bytes, quantize_int8, quantize_params)
+from jaxserve.models.quantization import dequantize_int8, pack_params, param_bytes, quantize_int8, quantize_params
 from jaxserve.models.variables import INT8_LAYERS, model_variables, param_tree
 from jaxserve.parallel.sharding import param_shardings
 from tests.models.forward import prompt_logits

@@ -11,7 +11,6 @@ import sys
 import time
 
 import httpx
-
 import numpy as np
 import pytest
 

@@ -11,7 +11,6 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.resolve import resolve_attention_backend
-
 from tests.models.tiny import save_tiny_hf
 
 PROMPTS = [list(range(5, 45)), list(range(100, 107)), [7, 8, 9] * 9]

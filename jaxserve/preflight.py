@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -35,6 +36,9 @@ from jaxserve.worker.targets import Target, parse_target, supported_targets
 
 if TYPE_CHECKING:
     from jaxserve.worker.programs import Program, ProgramKind
+
+# By name: run as `python -m`, __name__ is "__main__", outside jaxserve's logger.
+logger = logging.getLogger("jaxserve.preflight")
 
 # GPU programs must not spill registers (a spill is local-memory traffic in every step).
 GPU_COMPILER_OPTIONS = {"xla_gpu_fail_ptx_compilation_on_register_spilling": True}
@@ -219,6 +223,7 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
 
     from jaxserve.engine.build import resolved_of
     from jaxserve.engine.resolve import resolve_engine_config
+    from jaxserve.worker.compile_progress import CompileProgress
     from jaxserve.worker.programs import ProgramKind, compile_programs
     from jaxserve.worker.targets import make_devices
     from jaxserve.worker.worker import Worker
@@ -251,6 +256,9 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     # NOTE: TPU programs compile one at a time: libtpu 0.0.42.1's SparseCore code generator
     # (v6e, tpu7x) overflowed its fibers' stacks with two compiles at once (never alone).
     threads = 1 if target.platform == "tpu" else (threads or min(4, os.cpu_count() or 1))
+    # Sizing compiles the largest program of each kind before the count below can start.
+    if cc.num_gpu_blocks_override is None:
+        logger.info("%s: sizing the KV cache (compiling the largest programs)", target.name)
     try:
         report.memory = worker.plan_memory(target.memory_bytes, devices[0].device_kind, options)
     except InsufficientMemoryError as e:
@@ -263,7 +271,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     programs = [p for p in runner.programs(on_first_use)
                 if (kinds is None or p.kind in kinds) and (only is None or only(p))]
     m = report.memory
-    for program, c in zip(programs, compile_programs(programs, options, threads)):
+    progress = CompileProgress(len(programs), f"Compiling programs for {target.name}")
+    for program, c in zip(programs, compile_programs(programs, options, threads, progress)):
         if isinstance(c, BaseException):
             report.programs.append(ProgramResult(program.name, program.kind, program.at_warm_up,
                                                  0.0, error=" ".join(str(c).split())[:500]))
@@ -406,10 +415,20 @@ def comparison_text(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def log_to_stderr() -> None:
+    """jaxserve's log lines (the compile progress: worker/compile_progress.py) and any
+    warnings on stderr; stdout holds the report alone (one JSON object with --json)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if logging.getLogger("jaxserve").level == logging.NOTSET:  # not set by a caller (a test's)
+        logging.getLogger("jaxserve").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     # The runtime backend does not matter here (the devices are compile-only); the CPU's
     # starts at once, where probing for a GPU or TPU runtime prints errors or waits.
     select_jax_platforms(cpu_only=True)
+    log_to_stderr()
     parser = make_parser()
     args = parser.parse_args(argv)
     try:

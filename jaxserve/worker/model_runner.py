@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
@@ -46,6 +45,7 @@ from jaxserve.models.variables import model_variables
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
+from jaxserve.worker.compile_progress import CompileProgress
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
 from jaxserve.worker.penalty_state import LogitsProcessors, PenaltyState, admit, admit_inputs, after_sampling
@@ -548,34 +548,38 @@ class ModelRunner:
             if timed:
                 self.sample_time_s[key] = time.perf_counter() - t
 
-    def warm_up(self) -> float:
+    def warm_up(self, show_progress: bool | None = None) -> float:
         """Compile and run once every program `programs(on_first_use=False)` lists, so nothing
         compiles while serving: each forward token bucket (all its stages in one pass), each
         (request bucket, sampler mode, with and without processors) and the admission.
 
         Runs each on empty inputs (no sequences: attention loops zero times, writes land in the
         null page, samples on dropped slots), built from the program's key: only a call, not
-        `lower().compile()`, fills jit's dispatch cache. Returns the seconds spent."""
+        `lower().compile()`, fills jit's dispatch cache. Shows the programs compiled so far
+        (worker/compile_progress.py) when `show_progress` (default: on JAX process 0 only, as
+        vLLM shows its CUDA graph capture on the first rank). Returns the seconds spent."""
         t0 = time.perf_counter()
         programs = self.programs(on_first_use=False)
         empty = np.zeros(0, np.int32)
         inp: StepInputs[np.ndarray] | None = None
         hidden: jax.Array | None = None
-        # disable=None: a bar on a terminal, nothing in a log file (one line per update there).
-        with tqdm(total=len(programs), desc="Compiling buckets", unit="program", disable=None) as bar:
+        if show_progress is None:
+            show_progress = jax.process_index() == 0
+        with CompileProgress(len(programs), show=show_progress) as progress:
             for p in programs:
                 key = p.key
-                if isinstance(key, ForwardKey):
-                    if key.stage == 0:  # the first stage's program: one pass runs every stage
-                        inp = self.batch.prepare([], empty, key.tokens)[0]
-                        hidden = self._forward(inp).rows
-                elif isinstance(key, SamplerKey) and not key.grammar:
-                    assert inp is not None and hidden is not None  # the forwards come first
-                    self._warm_up_sampler(key, inp, hidden)
-                elif p.kind is ProgramKind.ADMIT:
-                    self._admit_slot(0, [], [])
-                else:
-                    raise AssertionError(f"warm-up has no empty inputs for {p.name}")
-                bar.update()
+                with progress.compiling(p.name):
+                    if isinstance(key, ForwardKey):
+                        if key.stage == 0:  # the first stage's program: one pass runs every stage
+                            inp = self.batch.prepare([], empty, key.tokens)[0]
+                            hidden = self._forward(inp).rows
+                    elif isinstance(key, SamplerKey) and not key.grammar:
+                        assert inp is not None and hidden is not None  # the forwards come first
+                        self._warm_up_sampler(key, inp, hidden)
+                    elif p.kind is ProgramKind.ADMIT:
+                        self._admit_slot(0, [], [])
+                    else:
+                        raise AssertionError(f"warm-up has no empty inputs for {p.name}")
+                progress.done()
             jax.block_until_ready(([st.kv_cache for st in self.stages], self.last_sampled, self.penalties))
         return time.perf_counter() - t0

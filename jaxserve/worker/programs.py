@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve.worker.compile_progress import CompileProgress
 from jaxserve.worker.sampler import SamplerMode
 
 COMPILE_THREAD_STACK_BYTES = 512 << 20
@@ -266,28 +267,45 @@ def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
 
 
 def compile_programs(programs: list[Program], compiler_options: dict[str, Any] | None = None,
-                     threads: int = 1) -> list[CompiledProgram | BaseException]:
+                     threads: int = 1, progress: CompileProgress | None = None
+                     ) -> list[CompiledProgram | BaseException]:
     """`compile_program` for each, in order; a failed trace or compile is its exception.
     Programs are traced and lowered one after another on this thread; with `threads` > 1 their
-    compiles (outside the GIL) run in that many threads while the next ones are lowered."""
-    if threads <= 1:
-        return [_result(functools.partial(_compile_one, p, compiler_options)) for p in programs]
+    compiles (outside the GIL) run in that many threads while the next ones are lowered.
+    `progress`: where the count goes (default: a bar on a terminal, else log lines)."""
+    if progress is None:
+        progress = CompileProgress(len(programs))
+    with progress:
+        if threads <= 1:
+            return [_compile_counted(progress, functools.partial(_compile_one, p, compiler_options),
+                                     p.name) for p in programs]
+        return _compile_in_threads(programs, compiler_options, threads, progress)
+
+
+def _compile_in_threads(programs: list[Program], compiler_options: dict[str, Any] | None,
+                        threads: int, progress: CompileProgress
+                        ) -> list[CompiledProgram | BaseException]:
     # The TPU compiler recurses deeply (tpu7x's SparseCore lowering overflowed a default
     # 8 MiB thread stack): give the compile threads the room a main thread has and more.
     previous = threading.stack_size(COMPILE_THREAD_STACK_BYTES)
     try:
         with ThreadPoolExecutor(threads) as pool:
-            pending: list[Future[CompiledProgram] | BaseException] = []
+            pending: list[Future[CompiledProgram | BaseException] | BaseException] = []
             for p in programs:
                 t0 = time.perf_counter()
                 try:
-                    lowered = lower_program(p)
+                    with progress.compiling(p.name):
+                        lowered = lower_program(p)
                 except Exception as e:  # noqa: BLE001 - the tracer's error is the result
+                    progress.done(ok=False)
                     pending.append(e)
                     continue
-                pending.append(pool.submit(_compile_report, p, lowered, compiler_options,
-                                           time.perf_counter() - t0))
-            return [r if isinstance(r, BaseException) else _result(r.result) for r in pending]
+                # Named as compiling once a thread takes it up, not while it waits in the queue.
+                pending.append(pool.submit(
+                    _compile_counted, progress, functools.partial(
+                        _compile_report, p, lowered, compiler_options, time.perf_counter() - t0),
+                    p.name))
+            return [r if isinstance(r, BaseException) else r.result() for r in pending]
     finally:
         threading.stack_size(previous)
 
@@ -299,6 +317,15 @@ def _compile_one(program: Program, compiler_options: dict[str, Any] | None) -> C
 def _compile_report(program: Program, lowered: jax.stages.Lowered,
                     compiler_options: dict[str, Any] | None, lower_s: float) -> CompiledProgram:
     return compile_lowered(program, lowered, compiler_options, lower_s)[0]
+
+
+def _compile_counted(progress: CompileProgress, fn: Callable[[], CompiledProgram], name: str
+                     ) -> CompiledProgram | BaseException:
+    """`fn`'s report or its exception, counted in `progress` under `name`."""
+    with progress.compiling(name):
+        result = _result(fn)
+    progress.done(ok=not isinstance(result, BaseException))
+    return result
 
 
 def _result(fn: Callable[[], CompiledProgram]) -> CompiledProgram | BaseException:

@@ -314,7 +314,10 @@ class Worker:
         if self.config.enforce_eager:
             return
         assert self.runner is not None
-        self.timings["compile_s"] = self.runner.warm_up()
+        # One progress display per server, as vLLM shows its graph capture on the first rank:
+        # each data-parallel engine is JAX process 0 of its own.
+        first = self.config.parallel_config.data_parallel_rank == 0 and jax.process_index() == 0
+        self.timings["compile_s"] = self.runner.warm_up(show_progress=first)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

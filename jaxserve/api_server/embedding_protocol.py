@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from jaxserve.api_server.protocol import (
     INT32_MAX,
@@ -19,6 +19,7 @@ from jaxserve.api_server.protocol import (
     TokenId,
     UsageInfo,
     WholeInt,
+    check_generation_prompt,
     random_uuid,
 )
 
@@ -52,6 +53,8 @@ class PoolingInputRequest(OpenAIRequest):
     add_special_tokens: bool = True
     priority: Int64 = 0
 
+    _check_generation_prompt = model_validator(mode="before")(check_generation_prompt)
+
 
 class EmbeddingRequest(PoolingInputRequest):
     """OpenAI's embeddings request; vLLM's extras: `normalize` (the older name of
@@ -64,11 +67,29 @@ class EmbeddingRequest(PoolingInputRequest):
     normalize: bool | None = None
 
 
+# vLLM's pooling tasks: any of them is a well-formed /pooling request, and one the served
+# model does not serve is refused naming it ("Unsupported task: ..."), as vLLM refuses it.
+PoolingTask = Literal["embed", "classify", "token_embed", "token_classify", "plugin",
+                      "embed&token_classify"]
+# Tasks vLLM removed, refused in its words.
+REMOVED_POOLING_TASKS = {
+    "score": "`score` task was removed; use `classify` instead.",
+    "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead.",
+}
+
+
 class PoolingRequest(EmbeddingRequest):
     """vLLM's /pooling: an embeddings request with the pooling `task` (None: classify for a
     classifier, embed for any other model; token_embed: a vector per prompt token)."""
 
-    task: Literal["embed", "classify", "token_embed"] | None = None
+    task: PoolingTask | None = None
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _removed_task(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in REMOVED_POOLING_TASKS:
+            raise ValueError(REMOVED_POOLING_TASKS[value])
+        return value
 
 
 class ClassificationRequest(PoolingInputRequest):

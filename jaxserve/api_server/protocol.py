@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -65,6 +65,27 @@ Count = Annotated[WholeInt, Field(ge=0, le=INT32_MAX)]
 TokenId = Annotated[WholeInt, Field(ge=0, le=INT32_MAX)]
 
 
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+# vLLM's sentence (chat, pooling and /tokenize requests): the two ask for opposite prompts.
+BOTH_GENERATION_PROMPTS = ("Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to True.")
+
+
+def check_generation_prompt(data: Any) -> Any:
+    """A model validator (before): refuses a body that sets both continue_final_message and
+    add_generation_prompt, in vLLM's words."""
+    if (isinstance(data, dict) and data.get("continue_final_message") is True
+            and data.get("add_generation_prompt") is True):
+        raise ValueError(BOTH_GENERATION_PROMPTS)
+    return data
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI do.
     model_config = ConfigDict(extra="ignore")
@@ -114,15 +135,79 @@ class StreamOptions(OpenAIRequest):
 
 
 class PromptTokensDetails(OpenAIBaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # the prompt tokens the prefix cache served
+    # vLLM's other two: jaxserve creates no cache entries a client pays for and takes no
+    # multimodal input, so both are null, as vLLM's are for such a request.
+    created_cache_tokens: int | None = None
+    multimodal_tokens: dict[str, int] | None = None
+
+
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
 
 
 class UsageInfo(OpenAIBaseModel):
+    """vLLM's usage, field for field. A whole response carries all five (the details null
+    unless reported); a stream chunk carries vLLM's smaller shapes (see `streamed`)."""
+
     prompt_tokens: int = 0
-    completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens: int | None = 0
     # With --enable-prompt-tokens-details (vLLM's), or for the Messages and Responses APIs.
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    def streamed(self, final: bool, chat: bool) -> dict[str, Any]:
+        """The usage as a stream chunk carries it in vLLM. The final usage chunk drops every
+        null (vLLM dumps it with exclude_none). A chunk with continuous_usage_stats has the
+        three counts only (vLLM dumps it with exclude_unset; its chat also sets
+        completion_tokens_details, null without a reasoning parser); the prompt's details
+        stay when reported, which the Messages API's message_start reads its cached tokens
+        from."""
+        if final:
+            return _drop_none(self.model_dump())
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
+                               "completion_tokens": self.completion_tokens,
+                               "total_tokens": self.total_tokens}
+        if chat:
+            out["completion_tokens_details"] = (None if self.completion_tokens_details is None
+                                                else self.completion_tokens_details.model_dump())
+        if self.prompt_tokens_details is not None:
+            out["prompt_tokens_details"] = _drop_none(self.prompt_tokens_details.model_dump())
+        return out
+
+
+def _drop_none(value: Any) -> Any:
+    """`value` without its null entries, at every depth (pydantic's exclude_none)."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+class StreamResponse(OpenAIBaseModel):
+    """A stream chunk (its subclasses declare `choices` and `usage`) in vLLM's shape: `usage`
+    only on the chunks that carry it (absent, not null, from the others), in the shape of
+    `UsageInfo.streamed`; the final usage chunk (no choices) without any null field, as
+    vLLM dumps it."""
+
+    chat_usage: ClassVar[bool] = False  # chat's continuous usage has completion_tokens_details
+
+    @model_serializer(mode="wrap")
+    def _vllm_chunk(self, handler: Any) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        usage: UsageInfo | None = getattr(self, "usage", None)
+        if "usage" not in data:  # excluded by the caller
+            return data
+        if usage is None:
+            del data["usage"]
+        elif not getattr(self, "choices", None):
+            data = _drop_none(data)
+            data["usage"] = usage.streamed(final=True, chat=self.chat_usage)
+        else:
+            data["usage"] = usage.streamed(final=False, chat=self.chat_usage)
+        return data
 
 
 class JsonSchemaFormat(OpenAIRequest):
@@ -200,6 +285,25 @@ class SamplingRequestFields(UnsupportedVllmFields, OpenAIRequest):
     # stays unambiguous).
     return_tokens_as_token_ids: bool | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys_are_token_ids(cls, value: dict[str, float] | None
+                                       ) -> dict[str, float] | None:
+        """Every key that is not a token id, named at once (vLLM's words); the others in
+        their canonical spelling (" 5" is token 5, as int() reads it in vLLM)."""
+        if not value:
+            return value
+        bad = [key for key in value if _as_int(key) is None]
+        if bad:
+            raise ValueError("logit_bias contains key(s) that cannot be converted to integer "
+                             f"token IDs: {bad!r}")
+        ids = {key: _as_int(key) for key in value}
+        negative = [i for i in ids.values() if i is not None and i < 0]
+        if negative:
+            raise ValueError(f"token_id(s) {negative} in logit_bias contain out-of-vocab token "
+                             "ids (token ids are never negative)")
+        return {str(ids[key]): bias for key, bias in value.items()}
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_only_when_streaming(cls, value: StreamOptions | None,
@@ -258,10 +362,14 @@ class CompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
+    # OpenAI's fields jaxserve has no value for, sent as null (vLLM's): a client that
+    # compares bodies key for key (the SDK's object against /invocations') finds them.
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
+class CompletionStreamResponse(StreamResponse):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -343,6 +451,8 @@ class ChatCompletionRequest(SamplingRequestFields):
     chat_template: Text | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[Text, Any] | None = None
 
+    _check_generation_prompt = model_validator(mode="before")(check_generation_prompt)
+
 
 class FunctionCall(OpenAIBaseModel):
     name: str
@@ -358,10 +468,17 @@ class ToolCall(OpenAIBaseModel):
 class ResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI's fields jaxserve never fills, null as vLLM sends them (the SDK's message has
+    # them: a client comparing it with the raw body finds the same keys).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
     # vLLM's `reasoning`, and `reasoning_content`, its older name that clients still read.
     reasoning: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # None is sent as null: no calls where a call was forced but cut short (vLLM's).
+    tool_calls: list[ToolCall] | None = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -393,6 +510,14 @@ class ChatCompletionResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
+    # OpenAI's fields jaxserve has no value for, sent as null: service_tier and
+    # system_fingerprint as vLLM sends them, metadata and moderation because the SDK's
+    # ChatCompletion declares them too (a client comparing its object with the raw body, as
+    # vLLM's own /invocations test does, finds the same keys).
+    metadata: dict[str, str] | None = None
+    moderation: dict[str, Any] | None = None
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None  # vLLM's
     prompt_token_ids: list[int] | None = None  # return_token_ids
@@ -438,11 +563,12 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None  # return_token_ids: the new ones
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(StreamResponse):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    chat_usage: ClassVar[bool] = True
     prompt_token_ids: list[int] | None = None  # return_token_ids: the first chunk

@@ -75,6 +75,8 @@ class OpenAIServingEmbedding:
         ctx.check_model(request.model)
         task = getattr(request, "task", None) or (
             "classify" if pooling and ctx.processor.classifier is not None else "embed")
+        if pooling:
+            self.check_pooling_task(task)
         inputs = await self.inputs(request)
         request_id = f"{'pool' if pooling else 'embd'}-{random_uuid()}"
         vectors = await self.embed(request_id, inputs, received, self._normalize(request),
@@ -95,6 +97,26 @@ class OpenAIServingEmbedding:
                     v, fmt, request.embed_dtype, request.endianness))
                       for i, v in enumerate(vectors)])
         return Response(body.model_dump_json(), media_type="application/json")
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        """The /pooling tasks the served model serves: a sequence classifier classifies,
+        any other model embeds (a vector per prompt, or per prompt token)."""
+        return ("classify",) if self.ctx.processor.classifier is not None else (
+            "embed", "token_embed")
+
+    def check_pooling_task(self, task: str) -> None:
+        """A /pooling task the model does not serve is refused in vLLM's words (clients match
+        their start, "Unsupported task: 'classify'"), then why, where jaxserve knows."""
+        supported = self.supported_tasks()
+        if task in supported:
+            return
+        why = ""
+        try:
+            self.ctx.processor.check_task(task)
+        except InvalidInputError as e:
+            why = f". {e}"
+        raise OpenAIError(f"Unsupported task: {task!r} Supported tasks: {supported}{why}",
+                          param="task")
 
     async def embed(self, request_id: str, inputs: list[list[int]], received: float,
                     normalize: bool | None = None, dimensions: int | None = None,

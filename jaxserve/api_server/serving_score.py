@@ -10,7 +10,7 @@ needs a classifier: each input's class probabilities and its most probable label
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -70,16 +70,28 @@ class ScoreResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class RerankDocument(OpenAIBaseModel):
+    text: str | None = None
+    multi_modal: list[dict[str, Any]] | None = None  # vLLM's; jaxserve reranks text only
+
+
 class RerankResult(OpenAIBaseModel):
     index: int
-    document: dict[str, str]
+    document: RerankDocument
     relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    """vLLM's rerank usage: the tokens scored, no completion or details."""
+
+    prompt_tokens: int
+    total_tokens: int
 
 
 class RerankResponse(OpenAIBaseModel):
     id: str
     model: str
-    usage: dict[str, int]
+    usage: RerankUsage
     results: list[RerankResult]
 
 
@@ -149,8 +161,9 @@ class ServingScores:
             request.truncate_prompt_tokens, request.priority)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:request.top_n]
         return RerankResponse(id=request_id, model=self.ctx.model_name,
-                              usage={"total_tokens": tokens},
-                              results=[RerankResult(index=i, document={"text": request.documents[i]},
+                              usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
+                              results=[RerankResult(index=i,
+                                                    document=RerankDocument(text=request.documents[i]),
                                                     relevance_score=scores[i]) for i in order])
 
     async def classify(self, request: ClassificationRequest) -> ClassificationResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jaxserve.api_server.protocol import (
     ChatMessage,
@@ -14,6 +14,7 @@ from jaxserve.api_server.protocol import (
     OpenAIRequest,
     Text,
     TokenId,
+    check_generation_prompt,
 )
 
 
@@ -46,6 +47,8 @@ class TokenizeRequest(OpenAIRequest):
     chat_template: Text | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[Text, Any] | None = None
     return_token_strs: bool = False
+
+    _check_generation_prompt = model_validator(mode="before")(check_generation_prompt)
 
 
 class TokenizeResponse(OpenAIBaseModel):

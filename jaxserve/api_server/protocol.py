@@ -448,6 +448,7 @@ class ChatCompletionRequest(SamplingRequestFields):
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the message it continues
     chat_template: Text | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[Text, Any] | None = None
 

@@ -327,7 +327,7 @@ class ServingContext:
         unless the server trusts them (vLLM's --trust-request-chat-template): its cost is
         unbounded."""
         self.need_tokenizer("messages")
-        conversation = [template_message(m, _text_content(m.content)) for m in messages]
+        conversation = [template_message(m, text_content(m.content)) for m in messages]
         if not conversation:
             raise OpenAIError("messages must not be empty", param="messages")
         self.check_text_size("".join(c["content"] for c in conversation), "messages")
@@ -355,7 +355,8 @@ class ServingContext:
         return text
 
 
-def _text_content(content: str | list[Any] | None) -> str:
+def text_content(content: str | list[Any] | None) -> str:
+    """A message's content as the chat template reads it: its text parts joined by lines."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []

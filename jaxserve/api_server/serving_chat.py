@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -44,6 +46,7 @@ from jaxserve.api_server.serving import (
     sse_error,
     sse_finish_error,
     stop_holdback,
+    text_content,
     visible_text_end,
 )
 from jaxserve.outputs import Logprob, RequestOutput
@@ -114,6 +117,7 @@ class OpenAIServingChat:
         if any(p is not None and p.needs_special_tokens for p in (reasoning, mode.parser)):
             # Their markers are special tokens: decoded away, the reply could not be split.
             params = dataclasses.replace(params, skip_special_tokens=False)
+        echo = echoed_message(request)
         request_id = f"chatcmpl-{random_uuid()}"
         gen = ctx.client.generate(request_id, text, token_ids, params, priority=request.priority,
                                   trace=ctx.start_trace(request_id, received, spans))
@@ -121,15 +125,16 @@ class OpenAIServingChat:
         parsers = [ChatOutputParser(mode, reasoning) for _ in range(request.n)]
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, created, token_ids, gen,
-                                                  parsers, details),
+                                                  parsers, details, echo),
                                      media_type="text/event-stream")
         final = None
         async with aclosing(gen) as results:
             async for res in results:
                 final = res
         assert final is not None
-        return Response(self._full_response(request, request_id, created, final, parsers, details)
-                        .model_dump_json(), media_type="application/json")
+        full = self._full_response(request, request_id, created, final, parsers, details, echo)
+        return Response(response_json(full, forced=mode.choice in ("required", "named")),
+                        media_type="application/json")
 
     @staticmethod
     def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -142,8 +147,9 @@ class OpenAIServingChat:
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def _full_response(self, request: ChatCompletionRequest, request_id: str, created: int,
-                       res: RequestOutput, parsers: list[ChatOutputParser], details: bool
-                       ) -> ChatCompletionResponse:
+                       res: RequestOutput, parsers: list[ChatOutputParser], details: bool,
+                       echo: str = "") -> ChatCompletionResponse:
+        """`echo`: the continued message's text, which each reply's content starts with."""
         choices = []
         for out in res.outputs:
             lps = None
@@ -151,8 +157,12 @@ class OpenAIServingChat:
                 lps = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                     bool(request.return_tokens_as_token_ids))
             parser = parsers[out.index]
+            message = response_message(parser, out.text, reply_role(request),
+                                       cut=out.finish_reason == "length")
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=response_message(parser, out.text), logprobs=lps,
+                index=out.index, message=message, logprobs=lps,
                 finish_reason=parser.finish_reason(out.finish_reason), stop_reason=out.stop_reason,
                 token_ids=list(out.token_ids) if request.return_token_ids else None))
         num_prompt = len(res.prompt_token_ids or [])
@@ -167,7 +177,8 @@ class OpenAIServingChat:
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       prompt_token_ids: list[int], gen: AsyncGenerator[RequestOutput, None],
-                      parsers: list[ChatOutputParser], details: bool) -> AsyncIterator[str]:
+                      parsers: list[ChatOutputParser], details: bool, echo: str = ""
+                      ) -> AsyncIterator[str]:
         n, model = request.n, self.ctx.model_name
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous = bool(request.stream_options and request.stream_options.usage_on_every_chunk)
@@ -183,20 +194,25 @@ class OpenAIServingChat:
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   prompt_ids: list[int] | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(
+            return sse(stream_chunk_json(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=choices,
                 prompt_token_ids=prompt_ids, usage=usage() if continuous else None,
-            ).model_dump_json(exclude=exclude))
+            ), exclude))
 
         errors: list[str] = []  # error events of choices that ended with an error
         holdback = stop_holdback(request)
         try:
             # OpenAI's first chunk of each choice carries the role only. One choice a chunk,
             # as vLLM sends them: clients read choices[0].
+            role = reply_role(request)
             for k in range(n):
                 yield chunk([ChatCompletionResponseStreamChoice(
-                    index=k, delta=DeltaMessage(role="assistant", content=""))],
+                    index=k, delta=DeltaMessage(role=role, content=""))],
                     prompt_token_ids if request.return_token_ids and k == 0 else None)
+            if echo:  # vLLM's: the continued message, before what continues it
+                for k in range(n):
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=k, delta=DeltaMessage(content=echo))])
             async with aclosing(gen) as results:
                 async for res in results:
                     last, choices = res, []
@@ -231,24 +247,78 @@ class OpenAIServingChat:
                     while errors:
                         yield errors.pop(0)
             if include_usage:
-                yield sse(ChatCompletionStreamResponse(
+                yield sse(stream_chunk_json(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
-                    usage=usage()).model_dump_json())
+                    usage=usage()), None))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(e, request_id)
         yield "data: [DONE]\n\n"
 
 
-def response_message(parser: ChatOutputParser, text: str) -> ResponseMessage:
+def response_message(parser: ChatOutputParser, text: str, role: str = "assistant",
+                     cut: bool = False) -> ResponseMessage:
     """A whole reply as OpenAI's message: content (None when only tools were called),
-    reasoning, tool calls."""
+    reasoning, tool calls. `cut`: max_tokens ended it; a call that tool_choice forced
+    ("required" or a named function) is then left out unless its JSON is whole, as vLLM
+    answers (content "", no tool_calls), rather than returned with half its arguments."""
     d = parser.delta(text, finished=True)
     calls = [ToolCall(id=c.id or "", function=FunctionCall(name=c.function.name or "",
                                                            arguments=c.function.arguments or ""))
              for c in d.tool_calls if c.function is not None]
+    forced = parser.mode.choice in ("required", "named")
+    if forced and cut and not whole_json(text):
+        calls = []
     reasoning = d.reasoning if parser.has_reasoning else None
-    return ResponseMessage(content=None if calls and not d.content else d.content,
-                           reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
+    content = d.content if not calls else d.content or None
+    return ResponseMessage(role=role, content=content, reasoning=reasoning,
+                           reasoning_content=reasoning, tool_calls=calls)
+
+
+def whole_json(text: str) -> bool:
+    """Whether `text` is one complete JSON value (a forced call's reply that max_tokens did
+    not cut short)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def reply_role(request: ChatCompletionRequest) -> str:
+    """The role the reply is written in (vLLM's get_chat_request_role): the assistant's, or
+    without a generation prompt the last message's (the one continued)."""
+    return "assistant" if request.add_generation_prompt else request.messages[-1].role
+
+
+def echoed_message(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's text when that message
+    is in the reply's role (continue_final_message's prefill, say); "" otherwise."""
+    if not request.echo:
+        return ""
+    last = request.messages[-1]
+    return text_content(last.content) if last.role == reply_role(request) else ""
+
+
+def response_json(response: ChatCompletionResponse, forced: bool = False) -> str:
+    """The response's JSON. `forced`: tool_choice forced a call ("required" or a named
+    function); a message that made none (max_tokens cut it) has then no `tool_calls` key,
+    which clients read as None, as vLLM answers it (its ChatMessage drops an empty list)."""
+    bare = {i: {"message": {"tool_calls"}} for i, c in enumerate(response.choices)
+            if forced and not c.message.tool_calls}
+    return response.model_dump_json(exclude={"choices": bare} if bare else None)
+
+
+def stream_chunk_json(chunk: ChatCompletionStreamResponse, exclude: set[str] | None) -> str:
+    """A stream chunk's JSON, without the return_token_ids fields it does not carry: the
+    prompt's ids only in the first chunk, a choice's ids only where it has new tokens (a
+    client that finds the key extends its list with the value; vLLM leaves them unset)."""
+    drop: dict[str, Any] = dict.fromkeys(exclude or (), True)
+    if chunk.prompt_token_ids is None:
+        drop["prompt_token_ids"] = True
+    no_ids = {i: {"token_ids"} for i, c in enumerate(chunk.choices) if c.token_ids is None}
+    if no_ids:
+        drop["choices"] = no_ids
+    return chunk.model_dump_json(exclude=drop)
 
 
 def delta_message(d: ChatDelta) -> DeltaMessage:

@@ -246,7 +246,8 @@ class OpenAIServingCompletion:
                 lps = self._logprobs(request, prompts, i, res, new_tokens, new_lps, 0)
             else:  # offsets count the echoed prompt too
                 echoed = len(self._prompt_text(prompts, i)) if request.echo else 0
-                lps = completion_logprobs(new_tokens, new_lps, sent_chars[k] + echoed)
+                lps = completion_logprobs(new_tokens, new_lps, sent_chars[k] + echoed,
+                                          bool(request.return_tokens_as_token_ids))
         sent_chars[k] = end
         sent_tokens[k] = len(out.token_ids)
         done[k] = finished
@@ -277,7 +278,13 @@ class OpenAIServingCompletion:
         plps = res.prompt_logprobs or [None] * len(ids)
         result = CompletionLogProbs()
         for tid, entry in zip(ids, plps):
-            token = f"token_id:{tid}" if as_ids else self.ctx.decode([tid])
+            if as_ids:
+                token = f"token_id:{tid}"
+            elif entry is not None and tid in entry:
+                # Named after the prompt tokens before it (a character split over tokens).
+                token = entry[tid].decoded_token or ""
+            else:
+                token = self.ctx.decode([tid])
             result.tokens.append(token)
             result.text_offset.append(text_offset)
             if entry is None:

@@ -5,6 +5,12 @@ knows token ids; here each sequence is detokenized incrementally (tokenizers'
 DecodeStream, O(1) per token), stop strings are searched in the new text, and
 a request that hit one is reported so the caller aborts it in the engine core.
 
+A character whose UTF-8 bytes are split over several tokens reaches the text only once
+its last byte is there (DecodeStream holds the bytes back, as vLLM's detokenizer does), so
+no stream ever shows U+FFFD for it. The logprobs' decoded tokens follow the same rule: the
+token that completes the character carries it, the ones before it carry "" (vLLM's
+LogprobsProcessor._verify_tokens).
+
 A request with `n > 1` fans out into n child sequences `"{request_id}-{i}"`,
 each with its own seed (`seed + i` when a seed is given), gathered back into
 one RequestOutput.
@@ -13,10 +19,12 @@ one RequestOutput.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from jaxserve.engine_core.core_outputs import EngineCoreEventType, EngineCoreOutput
@@ -157,7 +165,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 # Every sequence of an n > 1 request brings the same rows: keep the first.
-                state.prompt_logprobs = [None, *self._logprob_entries(out.prompt_logprobs)]
+                state.prompt_logprobs = [None, *self._logprob_entries(out.prompt_logprobs,
+                                                                      state.prompt_token_ids)]
             if out.pooling_output is not None:
                 state.embedding = out.pooling_output
             if self._append(seq, out):
@@ -184,19 +193,22 @@ class OutputProcessor:
         """Detokenize new tokens; True if a stop string ended the sequence."""
         p = seq.params
         for i, tok in enumerate(out.new_token_ids):
-            seq.token_ids.append(tok)
             if out.new_logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_entry(out.new_logprobs, i))
+                # Named after the tokens before it (a character split over tokens).
+                seq.logprobs.append(self._logprob_entry(out.new_logprobs, i, seq.token_ids))
                 seq.cumulative_logprob = ((seq.cumulative_logprob or 0.0)
                                           + out.new_logprobs.logprobs[i][0])
-            # The final EOS/stop token is not text (vLLM drops it from the output text).
+            seq.token_ids.append(tok)
+            # The token that ended the sequence (EOS or a stop token id) is not text unless
+            # include_stop_str_in_output asks for it (vLLM's detokenizer); with
+            # skip_special_tokens false, that is how the EOS text ends the output.
             is_last_stop = out.finish_reason == FinishReason.STOP and i == len(out.new_token_ids) - 1 \
                 and isinstance(out.stop_reason, int | type(None))
-            if is_last_stop:
+            if is_last_stop and not p.include_stop_str_in_output:
                 break
             if self._backend is None:
                 continue  # no tokenizer: token ids only
-            piece = seq.stream.step(self._backend, tok)
+            piece = self._step(seq, self._backend, tok)
             if not piece:
                 continue
             start = max(len(seq.text) - _max_stop_len(p) + 1, 0)
@@ -204,6 +216,19 @@ class OutputProcessor:
             if p.stop and self._check_stop_strings(seq, start):
                 return True
         return False
+
+    @staticmethod
+    def _step(seq: _Sequence, backend: Tokenizer, tok: int) -> str | None:
+        """The text `tok` adds to `seq` (None while a character's bytes are incomplete)."""
+        try:
+            return seq.stream.step(backend, tok)
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # A tokenizer whose decoding is not monotonic can leave DecodeStream's state
+            # inconsistent; start a fresh stream at this token, as vLLM does.
+            seq.stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+            return seq.stream.step(backend, tok)
 
     @staticmethod
     def _check_stop_strings(seq: _Sequence, search_from: int) -> bool:
@@ -217,23 +242,51 @@ class OutputProcessor:
                 return True
         return False
 
-    def _entry(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
-        """{token: Logprob} for a row: its token (with `rank`), then the top-N by rank."""
-        decode = (lambda t: None) if self.tokenizer is None else (
-            lambda t: self.tokenizer.decode([t]))
-        entry = {ids[0]: Logprob(vals[0], rank, decode(ids[0]))}
+    def _entry(self, ids: list[int], vals: list[float], rank: int,
+               context: list[int]) -> dict[int, Logprob]:
+        """{token: Logprob} for a row: its token (with `rank`), then the top-N by rank.
+        `context`: the tokens before this position (the sequence's or the prompt's)."""
+        entry = {ids[0]: Logprob(vals[0], rank, self._decoded_token(ids[0], context))}
         for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
             if t not in entry:
-                entry[t] = Logprob(v, r, decode(t))
+                entry[t] = Logprob(v, r, self._decoded_token(t, context))
         return entry
 
-    def _logprob_entries(self, lp: LogprobsLists) -> list[dict[int, Logprob] | None]:
-        return [self._entry(ids, vals, rank) for ids, vals, rank
-                in zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks)]
+    def _decoded_token(self, token: int, context: list[int]) -> str | None:
+        """The text `token` adds after `context`, as a logprob names it (None without a
+        tokenizer). A token alone ending in U+FFFD holds part of a character: it names ""
+        until the token that completes the character, which names the whole character."""
+        if self.tokenizer is None:
+            return None
+        text: str = self.tokenizer.decode([token])
+        if not text.endswith(_REPLACEMENT):
+            return text
+        for n in range(1, min(len(context), _MAX_CONTEXT) + 1):
+            tail = context[-n:]
+            whole: str = self.tokenizer.decode([*tail, token])
+            if whole.endswith(_REPLACEMENT):
+                continue
+            # The tail's tokens that end inside the character gave no text of their own:
+            # what this token names starts after the last complete prefix of the tail.
+            kept = next(m for m in range(n - 1, -1, -1)
+                        if not self.tokenizer.decode(tail[:m]).endswith(_REPLACEMENT))
+            prefix: str = self.tokenizer.decode(tail[:kept])
+            if not whole.startswith(prefix):  # a decoder that reshapes joins (spaces)
+                prefix = whole[:len(os.path.commonprefix([prefix, whole]))]
+            return whole[len(prefix):]
+        return ""  # the character is still incomplete here
 
-    def _logprob_entry(self, lp: LogprobsLists, i: int) -> dict[int, Logprob]:
+    def _logprob_entries(self, lp: LogprobsLists, prompt: list[int]
+                         ) -> list[dict[int, Logprob] | None]:
+        """Prompt logprobs: row j is prompt position j + 1, after the tokens before it (the
+        last few: _decoded_token reads at most _MAX_CONTEXT)."""
+        return [self._entry(ids, vals, rank, prompt[max(j + 1 - _MAX_CONTEXT, 0):j + 1])
+                for j, (ids, vals, rank)
+                in enumerate(zip(lp.token_ids, lp.logprobs, lp.sampled_token_ranks))]
+
+    def _logprob_entry(self, lp: LogprobsLists, i: int, context: list[int]) -> dict[int, Logprob]:
         """Row `i` of a step's logprobs (the sequence's i-th new token)."""
-        return self._entry(lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i])
+        return self._entry(lp.token_ids[i], lp.logprobs[i], lp.sampled_token_ranks[i], context)
 
     @staticmethod
     def _trace_output(trace: RequestTrace, seq: _Sequence, out: EngineCoreOutput,
@@ -278,6 +331,14 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
         )
+
+
+_REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
+# UTF-8 characters have at most 4 bytes: at most 3 tokens before a token hold the rest of
+# the character it ends.
+_MAX_CONTEXT = 3
+# The start of the error tokenizers' DecodeStream raises when its state went wrong.
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 def _max_stop_len(p: SamplingParams) -> int:

@@ -42,7 +42,7 @@ from jaxserve.api_server.serving_embedding import OpenAIServingEmbedding
 from jaxserve.api_server.utility_protocol import TokenizeRequest
 from jaxserve.engine.processor import Processor
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import RemoteServer
 
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "Hi!"}]
@@ -205,9 +205,9 @@ def test_stream_chunks_carry_usage_in_vllms_shapes() -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RemoteServer(SMALL_ENGINE_ARGS) as s:
-        yield s
+def server(agent_server: RemoteServer) -> RemoteServer:
+    """The session's shared server (tests/api_server/conftest.py): no start of its own."""
+    return agent_server
 
 
 def post(server: RemoteServer, path: str, body: dict[str, Any]) -> httpx.Response:

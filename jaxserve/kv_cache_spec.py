@@ -11,9 +11,9 @@ the group's i-th layer. Gemma-3-4B (5 full layers, 29 sliding ones, window 1024)
     ...
     group 6  sliding   layers 30 31 32 33 (-)    65 (slot 4 unused)
 
-A sliding group keeps only the pages its window can still read (engine_core/kv_cache_manager.py), so the
-pages a long request holds fall from layers x context to about slots x (context + groups x
-window). Models whose layers are all alike have one group with one slot per layer, the cache
+A sliding group keeps only the pages its window can still read
+(engine_core/single_type_kv_cache_manager.py), so the pages a long request holds fall from
+layers x context to about slots x (context + groups x window). Models whose layers are all alike have one group with one slot per layer, the cache
 as it always was.
 """
 

@@ -49,6 +49,7 @@ class ChatOutputParser:
         self.sent_reasoning = self.sent_content = 0
         self.sent_calls: list[_SentCall] = []
         self.has_reasoning = False
+        self.reasoning_text = ""  # the reasoning so far (the usage counts its tokens)
 
     def delta(self, text: str, finished: bool) -> ChatDelta:
         """What of `text` (the reply so far) has not been returned yet."""
@@ -59,6 +60,7 @@ class ChatOutputParser:
             if split.reasoning is not None:
                 self.has_reasoning = True
                 out.reasoning = split.reasoning[self.sent_reasoning:]
+                self.reasoning_text = split.reasoning
                 self.sent_reasoning = len(split.reasoning)
             content = split.content
         content_end, calls = self._calls(text, content, finished)

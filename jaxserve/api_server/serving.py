@@ -193,6 +193,16 @@ class ServingContext:
             self.check_text_size(text, param)
         return (await self.off_loop(self.tokenizer, text, **kwargs)).input_ids
 
+    async def reasoning_tokens(self, reasonings: list[str | None]) -> int:
+        """The usage's `reasoning_tokens`: the tokens of the replies' reasoning texts (what a
+        reasoning parser split off, its markers left out), tokenized again."""
+        texts = [r for r in reasonings if r]
+        if not texts or self.tokenizer is None:
+            return 0
+        ids = [await self.tokenize(t, "reasoning", truncating=True, add_special_tokens=False)
+               for t in texts]
+        return sum(len(i) for i in ids)
+
     def truncate(self, token_ids: list[int], keep: int | None, side: str | None,
                  room: int = 1) -> list[int]:
         """vLLM's truncate_prompt_tokens: `keep` of the prompt's tokens, the last ones unless

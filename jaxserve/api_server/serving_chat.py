@@ -27,6 +27,7 @@ from jaxserve.api_server.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     FunctionCall,
     ResponseMessage,
@@ -133,6 +134,9 @@ class OpenAIServingChat:
                 final = res
         assert final is not None
         full = self._full_response(request, request_id, created, final, parsers, details, echo)
+        if reasoning is not None and full.usage is not None:  # vLLM's, with a reasoning parser
+            full.usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=await ctx.reasoning_tokens([c.message.reasoning for c in full.choices]))
         return Response(response_json(full, forced=mode.choice in ("required", "named")),
                         media_type="application/json")
 
@@ -185,12 +189,22 @@ class OpenAIServingChat:
         exclude = None if include_usage else {"usage"}
         sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
         last: RequestOutput | None = None
+        # With a reasoning parser, usage counts the reasoning's tokens (vLLM's): recounted
+        # for each usage sent, on every chunk only with continuous usage.
+        counts_reasoning = parsers[0].reasoning is not None
+        thought = 0
+
+        async def count_reasoning() -> None:
+            nonlocal thought
+            thought = await self.ctx.reasoning_tokens([p.reasoning_text for p in parsers])
 
         def usage() -> UsageInfo:
             num_prompt, num_generated = len(prompt_token_ids), sum(sent_tokens)
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                              total_tokens=num_prompt + num_generated,
-                             prompt_tokens_details=cached_prompt_tokens([last], details))
+                             prompt_tokens_details=cached_prompt_tokens([last], details),
+                             completion_tokens_details=CompletionTokensDetails(
+                                 reasoning_tokens=thought) if counts_reasoning else None)
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   prompt_ids: list[int] | None = None) -> str:
@@ -242,11 +256,15 @@ class OpenAIServingChat:
                             token_ids=list(new_tokens) if request.return_token_ids else None))
                         if finished and (event := sse_finish_error(out)) is not None:
                             errors.append(event)
+                    if continuous and counts_reasoning and any(c.delta.reasoning for c in choices):
+                        await count_reasoning()
                     for choice in choices:
                         yield chunk([choice])
                     while errors:
                         yield errors.pop(0)
             if include_usage:
+                if counts_reasoning:
+                    await count_reasoning()
                 yield sse(stream_chunk_json(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
                     usage=usage()), None))

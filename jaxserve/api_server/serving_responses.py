@@ -226,15 +226,12 @@ class OpenAIServingResponses:
             tool_choice=request.tool_choice or "auto", tools=request.tools or [],
             top_p=request.top_p, user=request.user).model_dump()
 
-    async def usage(self, usage: dict[str, Any] | None, reasoning: str | None) -> ResponseUsage:
-        """The Responses usage of a chat usage. Reasoning tokens are the reasoning text's
-        tokens, counted again (the chat path reports the reply's tokens as one figure)."""
+    @staticmethod
+    def usage(usage: dict[str, Any] | None) -> ResponseUsage:
+        """The Responses usage of a chat usage (whose reasoning tokens the chat path counts)."""
         u = usage or {}
         cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        thought = 0
-        if reasoning and self.ctx.tokenizer is not None:
-            thought = len(await self.ctx.tokenize(reasoning, "reasoning",
-                                                  add_special_tokens=False))
+        thought = int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
         output = int(u.get("completion_tokens") or 0)
         return ResponseUsage(input_tokens=int(u.get("prompt_tokens") or 0),
                              input_tokens_details={"cached_tokens": cached},
@@ -275,7 +272,7 @@ class Run:
     async def finish_whole(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = body["choices"][0]
         message = choice["message"]
-        usage = await self.serving.usage(body.get("usage"), message.get("reasoning"))
+        usage = self.serving.usage(body.get("usage"))
         lps = (choice.get("logprobs") or {}).get("content")
         obj = self._object(choice, usage, output_items(message, self.names, lps))
         self._keep(obj, message if obj["status"] != "failed" else None)
@@ -332,7 +329,7 @@ class Run:
             yield e
         message = events.as_message()
         final = self._object({"finish_reason": finish or "stop", "stop_reason": stop_reason},
-                             await self.serving.usage(usage, message.get("reasoning")),
+                             self.serving.usage(usage),
                              events.items)
         # Kept before the last event: a client may stop reading once it has it.
         self._keep(final, message if final["status"] != "failed" else None)

@@ -138,16 +138,25 @@ def test_tool_choice_none_and_a_tool_conversation(client: openai.OpenAI) -> None
     assert r.choices[0].finish_reason == "length"
 
 
-def test_reasoning_parser_splits_the_reply(client: openai.OpenAI) -> None:
+def test_reasoning_parser_splits_the_reply(server: RemoteServer, client: openai.OpenAI) -> None:
     # deepseek_r1 reads everything before </think> as reasoning (its template opens <think> in
     # the prompt); this model never closes it, so the whole reply is reasoning.
     kw = dict(messages=ASK, model=MODEL, temperature=0.0, max_tokens=16)
-    msg = client.chat.completions.create(**kw).choices[0].message
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
     assert msg.reasoning and msg.model_extra["reasoning_content"] == msg.reasoning
     assert not msg.content
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
     streamed = "".join(ch.choices[0].delta.model_extra.get("reasoning") or ""
-                       for ch in client.chat.completions.create(stream=True, **kw) if ch.choices)
+                       for ch in chunks if ch.choices)
     assert streamed == msg.reasoning
+    # vLLM's usage with a reasoning parser: the reasoning text's tokens, whole and streamed.
+    tokens = httpx.post(server.url("/tokenize"), timeout=60, json={
+        "model": MODEL, "prompt": msg.reasoning, "add_special_tokens": False}).json()["count"]
+    assert 0 < tokens <= whole.usage.completion_tokens
+    assert whole.usage.completion_tokens_details.reasoning_tokens == tokens
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == tokens
 
 
 @pytest.mark.parametrize("body, param", [

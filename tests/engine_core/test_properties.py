@@ -119,7 +119,9 @@ def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerCo
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
     worker.steps.clear()
-    refs = Counter(b.block_id for groups in kv.req_to_blocks.values() for blocks in groups
+    holders = set().union(*(m.req_to_blocks for m in kv.coordinator.managers))
+    tables = [kv.get_blocks(req_id) or () for req_id in holders]
+    refs = Counter(b.block_id for groups in tables for blocks in groups
                    for b in blocks if not b.is_null)
     free = pool.free_block_queue.get_all_free_blocks()
     assert len(free) == pool.get_num_free_blocks()
@@ -130,16 +132,16 @@ def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerCo
         assert b.ref_cnt == refs[b.block_id], b
     assert sum(kv.group_usage()) == pytest.approx(kv.usage)
     for g, share in enumerate(kv.group_usage()):
-        held = {b.block_id for groups in kv.req_to_blocks.values() for b in groups[g] if not b.is_null}
+        held = {b.block_id for groups in tables for b in groups[g] if not b.is_null}
         assert share * (pool.num_blocks - 1) == pytest.approx(len(held))
     for h, b in pool.cached_block_hash_to_block.items():
         assert b.block_hash == h
-    assert set(kv.req_to_blocks) == {r.req_id for r in sched.running}
+    assert holders == {r.req_id for r in sched.running}
     assert len(sched.running) <= cfg.max_num_seqs
     for r in sched.running:
         w = worker.reqs[r.req_id]
         for group, (mine, theirs) in enumerate(zip(kv.get_block_ids(r.req_id), w.block_ids)):
-            window = kv.windows[group]
+            window = kv.kv_cache_groups.groups[group].sliding_window
             assert len(mine) == len(theirs)
             assert all(a in (b, 0) for a, b in zip(mine, theirs)) and (window or 0 not in mine)
             if window is not None:
@@ -149,7 +151,7 @@ def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerCo
         assert w.tokens[: r.num_tokens] == r.all_token_ids, r.req_id
         assert r.num_tokens <= cfg.max_model_len and r.num_output_tokens <= r.max_tokens
     for r in sched.waiting:
-        assert r.num_computed_tokens == 0 and r.req_id not in kv.req_to_blocks
+        assert r.num_computed_tokens == 0 and r.req_id not in holders
 
 
 def run_stream(data_cfg, op_list, async_scheduling, caching, policy, deterministic=True,
@@ -213,7 +215,8 @@ def run_stream(data_cfg, op_list, async_scheduling, caching, policy, determinist
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert kv.req_to_blocks == {} and sched.requests == {} and worker.reqs == {}
+    assert all(m.req_to_blocks == {} for m in kv.coordinator.managers)
+    assert sched.requests == {} and worker.reqs == {}
     assert set(finished) | aborted == {s.req_id for s in specs}
     assert not set(finished) & aborted
     for spec in specs:

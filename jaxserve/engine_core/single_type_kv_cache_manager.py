@@ -1,0 +1,183 @@
+"""One KV cache group's block tables (vLLM's `SingleTypeKVCacheManager`): the pages each request
+holds for the group's layers, how long a prefix it can take from the cache, which pages it
+needs for the next tokens and when they go back. One subclass per kind of layer state; each
+owns its request tables and its rules, so a new kind adds a class, not a branch.
+
+    full attention   every page of the context, reserved ahead for a chunked prompt; a prefix
+                     hit is the leading run of cached pages
+    sliding window   only the pages the window of the next token reads (the earlier ones go
+                     back, the null page takes their place); a prefix hit needs only the pages
+                     the window reads before the hit's end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxserve.engine_core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.engine_core.kv_cache_utils import BlockHash, cdiv, group_key
+from jaxserve.engine_core.request import Request
+from jaxserve.kv_cache_spec import KVCacheGroupSpec
+
+
+class SingleTypeKVCacheManager:
+    """The block tables of one group, over the pool every group shares."""
+
+    def __init__(self, spec: KVCacheGroupSpec, group: int, block_pool: BlockPool,
+                 block_size: int) -> None:
+        self.spec = spec
+        self.group = group  # its index: the prefix cache registers its pages under this key
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Per request: its leading pages already registered in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.num_pages = 0  # the pages this group holds (a page shared by requests once)
+
+    # --- what each kind decides ----------------------------------------------------------
+
+    def tokens_to_hold(self, end: int, reserve: int) -> int:
+        """How many tokens' pages a request needs to compute up to token `end`, with
+        `reserve` >= `end` the tokens later steps of its chunked prompt will reach."""
+        raise NotImplementedError
+
+    def find_longest_cache_hit(self, hashes: Sequence[BlockHash], max_pages: int
+                               ) -> list[KVCacheBlock]:
+        """The longest prefix hit of at most `max_pages` pages, as the pages this group's
+        block table starts with (null pages where it reads nothing)."""
+        raise NotImplementedError
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Give back the pages no query from token `num_computed_tokens` on reads."""
+
+    # --- shared by every kind ------------------------------------------------------------
+
+    def cached(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.block_pool.cached_block_hash_to_block.get(group_key(block_hash, self.group))
+
+    def num_held(self, req_id: str) -> int:
+        return len(self.req_to_blocks.get(req_id, ()))
+
+    def num_new_blocks(self, req_id: str, end: int, reserve: int, hit: int = 0) -> int:
+        """The pages to add so the request holds `tokens_to_hold(end, reserve)`, after a
+        prefix hit of `hit` pages."""
+        need = cdiv(self.tokens_to_hold(end, reserve), self.block_size)
+        return max(need - self.num_held(req_id) - hit, 0)
+
+    def save_new_computed_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        """Start the request's table with a prefix hit (admission only): its pages are
+        registered already."""
+        assert not self.req_to_blocks.get(req_id), "a prefix hit is only applied at admission"
+        self.num_pages += self.block_pool.touch(blocks)
+        self.req_to_blocks[req_id] = list(blocks)
+        self.num_cached_block[req_id] = len(blocks)
+
+    def allocate_new_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        self.req_to_blocks.setdefault(req_id, []).extend(blocks)
+        self.num_cached_block.setdefault(req_id, 0)
+        self.num_pages += len(blocks)
+
+    def cache_blocks(self, request: Request, num_full_blocks: int) -> None:
+        """Register the request's pages that are full within its first `num_full_blocks`
+        pages."""
+        num_cached = self.num_cached_block.get(request.req_id)
+        if num_cached is None or num_full_blocks <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.req_id],
+                                          num_cached, num_full_blocks, self.group)
+        self.num_cached_block[request.req_id] = num_full_blocks
+
+    def free(self, req_id: str) -> None:
+        """Release the request's pages, last page first, so the deepest pages of a prefix
+        are evicted before the shared shallow ones."""
+        blocks = self.req_to_blocks.pop(req_id, [])
+        self.num_cached_block.pop(req_id, None)
+        self.num_pages -= self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every page of the context."""
+
+    def tokens_to_hold(self, end: int, reserve: int) -> int:
+        return reserve
+
+    def find_longest_cache_hit(self, hashes: Sequence[BlockHash], max_pages: int
+                               ) -> list[KVCacheBlock]:
+        found: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_pages]:
+            block = self.cached(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """The pages the window of the request's next token reads: about window / block_size
+    pages however long the request grows. Pages are added as the tokens reach them (never
+    reserved ahead: they would be given back before they are read)."""
+
+    def __init__(self, spec: KVCacheGroupSpec, group: int, block_pool: BlockPool,
+                 block_size: int) -> None:
+        super().__init__(spec, group, block_pool, block_size)
+        assert spec.sliding_window is not None
+        self.window: int = spec.sliding_window
+        # Per request: its leading pages the window no longer reads (the null page instead).
+        self.num_skipped_block: dict[str, int] = {}
+
+    def tokens_to_hold(self, end: int, reserve: int) -> int:
+        return end
+
+    def find_longest_cache_hit(self, hashes: Sequence[BlockHash], max_pages: int
+                               ) -> list[KVCacheBlock]:
+        """vLLM's rule: a hit of m pages needs only the pages the window of token
+        m * block_size reads to be cached; the ones before them are null."""
+        need = cdiv(self.window - 1, self.block_size)
+        null = self.block_pool.null_block
+        if need == 0:
+            return [null] * max_pages
+        run: list[KVCacheBlock] = []  # the cached pages from i on, the last first
+        for i in range(max_pages - 1, -1, -1):
+            block = self.cached(hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) >= need:
+                return [null] * i + run[::-1][:need]
+        return run[::-1]
+
+    def save_new_computed_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        super().save_new_computed_blocks(req_id, blocks)
+        self.num_skipped_block[req_id] = sum(1 for b in blocks if b.is_null)
+
+    def allocate_new_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        super().allocate_new_blocks(req_id, blocks)
+        self.num_skipped_block.setdefault(req_id, 0)
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            return
+        skipped = self.num_skipped_block[req_id]
+        first_read = num_computed_tokens - self.window + 1
+        n = min(max(first_read, 0) // self.block_size, len(blocks))
+        if n > skipped:
+            passed = [b for b in blocks[skipped:n] if not b.is_null]
+            blocks[skipped:n] = [self.block_pool.null_block] * (n - skipped)
+            self.num_skipped_block[req_id] = n
+            self.num_pages -= self.block_pool.free_blocks(reversed(passed))
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        self.num_skipped_block.pop(req_id, None)
+
+
+def make_manager(spec: KVCacheGroupSpec, group: int, block_pool: BlockPool, block_size: int
+                 ) -> SingleTypeKVCacheManager:
+    """The manager of the group's kind of layer state."""
+    kind = SlidingWindowManager if spec.sliding_window is not None else FullAttentionManager
+    return kind(spec, group, block_pool, block_size)

@@ -256,9 +256,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     # NOTE: TPU programs compile one at a time: libtpu 0.0.42.1's SparseCore code generator
     # (v6e, tpu7x) overflowed its fibers' stacks with two compiles at once (never alone).
     threads = 1 if target.platform == "tpu" else (threads or min(4, os.cpu_count() or 1))
-    # Sizing compiles the largest program of each kind before the count below can start.
-    if cc.num_gpu_blocks_override is None:
-        logger.info("%s: sizing the KV cache (compiling the largest programs)", target.name)
+    # Sizing compiles the largest program of each kind (its own count) before the count of
+    # every program below can start.
     try:
         report.memory = worker.plan_memory(target.memory_bytes, devices[0].device_kind, options)
     except InsufficientMemoryError as e:

@@ -38,6 +38,7 @@ from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages, ran
 from jaxserve.parallel.sharding import adapt_heads, adapted_arch, head_layout, kv_cache_sharding, param_shardings
 from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU
 from jaxserve.worker.compile_cache import enable_compilation_cache
+from jaxserve.worker.compile_progress import CompileProgress
 from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache, refuse_too_few_pages
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooler import Pooler
@@ -251,8 +252,14 @@ class Worker:
             activations, budget = 0, cc.num_gpu_blocks_override * page_bytes
             given_by = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
         else:
-            self.sizing_programs = [compile_program(p, compiler_options)[0]
-                                    for p in sizing_programs(probe.programs())]
+            programs = sizing_programs(probe.programs())
+            self.sizing_programs = []
+            with CompileProgress(len(programs), "Sizing the KV cache",
+                                 show=self.shows_progress()) as progress:
+                for p in programs:
+                    with progress.compiling(p.name):
+                        self.sizing_programs.append(compile_program(p, compiler_options)[0])
+                    progress.done()
             activations = max(c.activation_bytes for c in self.sizing_programs)
         return plan_kv_cache(
             device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
@@ -314,10 +321,12 @@ class Worker:
         if self.config.enforce_eager:
             return
         assert self.runner is not None
-        # One progress display per server, as vLLM shows its graph capture on the first rank:
-        # each data-parallel engine is JAX process 0 of its own.
-        first = self.config.parallel_config.data_parallel_rank == 0 and jax.process_index() == 0
-        self.timings["compile_s"] = self.runner.warm_up(show_progress=first)
+        self.timings["compile_s"] = self.runner.warm_up(show_progress=self.shows_progress())
+
+    def shows_progress(self) -> bool:
+        """One progress display per server, as vLLM shows its graph capture on the first rank:
+        each data-parallel engine is JAX process 0 of its own."""
+        return self.config.parallel_config.data_parallel_rank == 0 and jax.process_index() == 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

@@ -53,7 +53,8 @@ def _preflight(target: str, *flags: str) -> SimpleNamespace:
             f.write(json.dumps({"flags": flags, **report}) + "\n")
     programs = [SimpleNamespace(**p) for p in report.pop("programs")]
     memory = SimpleNamespace(**report.pop("memory")) if report["memory"] else None
-    return SimpleNamespace(**{**report, "programs": programs, "memory": memory})
+    return SimpleNamespace(**{**report, "programs": programs, "memory": memory,
+                              "stderr": proc.stderr})
 
 
 def _assert_clean(report) -> None:
@@ -104,6 +105,10 @@ def test_every_engine_program_compiles(target: str, flags: list[str]) -> None:
     assert any(not p.at_warm_up for p in report.programs) == first_use
     assert report.settings["attention_backend"] == ("tpu" if target[0] in "vt" else "gpu")
     assert report.memory.num_pages > 1 and report.compile_s["total"] > 0
+    # Start-up's counts (issue 75): the sizing compiles, unless the pages are given, then all.
+    assert ("Sizing the KV cache: " in report.stderr) == (FIXED_CACHE[0] not in flags)
+    n = len(report.programs)
+    assert f"Compiling programs for {target}: {n}/{n} in " in report.stderr
     if target.startswith(("v6e", "tpu7x", "h100", "h200")):
         # No copy of the weights (tpu7x copied every layer stack at each step, 241 MiB of temp:
         # jaxserve/parallel/sharding.py, WEIGHT_TILINGS; CUDA's loop copied each layer's slice

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from jaxserve.engine_core.core_outputs import EngineCoreOutput
@@ -94,12 +94,15 @@ class EngineCore:
         self._execute_async = (
             worker.execute_model_async if isinstance(worker, AsyncExecutor) else None
         )
-        # The loop's one step, for the offline LLM and the engine-core process alike: None
-        # means a step was only dispatched (the next call collects it).
-        self.step_fn: Callable[[], list[EngineCoreOutput] | None] = (
-            self.step_with_batch_queue if batch_queue_size > 1 else self.step)
         if freeze_gc:
             freeze_gc_heap()
+
+    def step_fn(self) -> list[EngineCoreOutput] | None:
+        """The loop's one step, for the offline LLM and the engine-core process alike: None
+        means a step was only dispatched (the next call collects it). A method, not a bound
+        method kept on the core: that reference cycle kept a dropped LLM's compiled programs
+        until Python's cyclic collector ran."""
+        return self.step_with_batch_queue() if self.batch_queue_size > 1 else self.step()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

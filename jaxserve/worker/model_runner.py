@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
@@ -174,15 +175,15 @@ class ModelRunner:
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
         # The compiled programs (public: worker/programs.py lists them for the warm-up, the
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
-        self.stage_program = jax.jit(self.stage_fn, static_argnums=(0,), donate_argnums=(2,))
-        self.prompt_logprobs_program = jax.jit(self.prompt_logprobs_fn, out_shardings=replicated)
+        self.stage_program = _jit_method(self, ModelRunner.stage_fn, static_argnums=(0,),
+                                         donate_argnums=(2,))
+        self.prompt_logprobs_program = _jit_method(self, ModelRunner.prompt_logprobs_fn,
+                                                   out_shardings=replicated)
         self.pooler = pooler or Pooler(S)
         self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
         # Sampler results are replicated so every process (multi-host) holds them whole.
-        self.sample_program = jax.jit(
-            self.sample_fn, static_argnums=(0,), donate_argnums=(3, 4),
-            out_shardings=replicated,
-        )
+        self.sample_program = _jit_method(self, ModelRunner.sample_fn, static_argnums=(0,),
+                                          donate_argnums=(3, 4), out_shardings=replicated)
         self.admit_program = jax.jit(admit, donate_argnums=(0,))
         # Device seconds of each sampler program, timed at warm-up: traces split a step's
         # device time into forward and sampler with it.
@@ -583,3 +584,16 @@ class ModelRunner:
                 progress.done()
             jax.block_until_ready(([st.kv_cache for st in self.stages], self.last_sampled, self.penalties))
         return time.perf_counter() - t0
+
+
+def _jit_method(runner: ModelRunner, method: Callable[..., Any], **jit_kwargs: Any) -> Any:
+    """`jax.jit` of `runner.method` holding the runner weakly: a jitted bound method kept on
+    the runner is a reference cycle, which kept a dropped engine's compiled programs (and
+    ~10,000 memory maps of them) alive until Python's cyclic collector ran."""
+    ref = weakref.ref(runner)
+
+    def call(*args: Any) -> Any:
+        return method(ref(), *args)
+
+    call.__name__ = call.__qualname__ = method.__name__  # the programs' names: jit_stage_fn, ...
+    return jax.jit(call, **jit_kwargs)

@@ -15,9 +15,10 @@ os.environ.setdefault("JAXSERVE_CPU_AUTO_BF16", "0")
 import pytest  # noqa: E402
 
 # Every compiled CPU program maps memory of its own: one engine's ~50 programs take ~10,000
-# of the process's memory maps. An LLM left in a reference cycle keeps them until Python's
-# cyclic collector runs, and the kernel allows 65,530 maps (vm.max_map_count): past it, JAX's
-# next load of a compiled program from the persistent cache segfaults (CI of stop 67, 96% in).
+# of the process's memory maps, and the kernel allows 65,530 (vm.max_map_count): past it, JAX's
+# next load of a compiled program from the persistent cache segfaults (CI of stop 67, 96% in,
+# when each dropped LLM sat in a reference cycle until the cyclic collector ran). A dropped
+# LLM frees its engine at once now (test_llm_default_model.py holds it); this guards the rest.
 MAX_MAPS_BEFORE_COLLECT = 16_384
 
 

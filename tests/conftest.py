@@ -41,12 +41,19 @@ def _free_dropped_engines() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import jax
+
+        from jaxserve.worker.compile_cache import MIN_CACHED_COMPILE_S
     except ImportError:  # host-only test runs
         return
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     cache = os.environ.get("JAXSERVE_TEST_COMPILATION_CACHE", os.path.join(base, "jaxserve", "jax_test_cache"))
     jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
+    # One cache for the run: the servers, engine processes and tools the tests start read
+    # JAX's settings from the environment, so a program an in-process LLM compiled is a cache
+    # hit for a server of the same configuration, and the other way round.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_CACHED_COMPILE_S))
 
 
 @pytest.fixture(scope="session")

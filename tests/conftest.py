@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,8 +19,9 @@ import pytest  # noqa: E402
 # of the process's memory maps, and the kernel allows 65,530 (vm.max_map_count): past it, JAX's
 # next load of a compiled program from the persistent cache segfaults (CI of stop 67, 96% in,
 # when each dropped LLM sat in a reference cycle until the cyclic collector ran). A dropped
-# LLM frees its engine at once now (test_llm_default_model.py holds it); this guards the rest.
-MAX_MAPS_BEFORE_COLLECT = 16_384
+# LLM frees its engine at once now (test_llm_default_model.py holds it); the kernel tests'
+# jitted functions stay in JAX's caches for the process (~190 maps a test).
+MAX_MAPS = 16_384
 
 
 def _memory_maps() -> int:
@@ -30,12 +32,17 @@ def _memory_maps() -> int:
         return 0
 
 
-@pytest.fixture(autouse=True)
-def _free_dropped_engines() -> Iterator[None]:
-    """After each test, collect the engines it dropped once the process holds many maps."""
+@pytest.fixture(autouse=True, scope="module")
+def _bound_memory_maps() -> Iterator[None]:
+    """After each test file, once the process holds many maps: collect what was dropped,
+    then, if that was not enough, empty JAX's caches of compiled programs (later files load
+    theirs from the persistent cache). Between files, so no test sees a program recompile."""
     yield
-    if _memory_maps() > MAX_MAPS_BEFORE_COLLECT:
+    if _memory_maps() > MAX_MAPS:
         gc.collect()
+        if _memory_maps() > MAX_MAPS and "jax" in sys.modules:
+            sys.modules["jax"].clear_caches()
+            gc.collect()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -61,10 +61,6 @@ class KVCacheCoordinator:
                     n, changed = len(hits[m.group]), True
         return tuple(hits[m.group][:n] for m in self.managers), n
 
-    def holds(self, req_id: str, end: int, reserve: int) -> bool:
-        """Whether the request's pages already hold what computing up to `end` needs."""
-        return all(m.num_new_blocks(req_id, end, reserve) == 0 for m in self.managers)
-
     def get_num_blocks_to_allocate(self, req_id: str, end: int, reserve: int,
                                    hit: GroupBlocks) -> list[int]:
         """Each group's pages to add, after the prefix hit `hit`."""

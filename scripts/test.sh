@@ -40,4 +40,7 @@ python -m mypy --cache-dir "$cache"
 export JAX_PLATFORMS=cpu
 # The device-compile tests (tests/device_compile) fail, rather than skip, without the preflight extra.
 export JAXSERVE_REQUIRE_DEVICE_COMPILE=1
-exec python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), each given whole test files (a file's servers and compiles stay in
+# one process): one worker's idle time (a server starting, a subprocess compiling) is the
+# other's CPU. `-n 0` after the script's name runs everything in this process.
+exec python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"

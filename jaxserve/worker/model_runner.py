@@ -54,7 +54,14 @@ from jaxserve.worker.pooler import Pooler, pool_sums
 from jaxserve.worker.programs import ForwardKey, Program, ProgramKind, SamplerKey, TokensKey
 from jaxserve.worker.programs import abstract as abstract_tree
 from jaxserve.worker.rejection_sampler import rejection_sample
-from jaxserve.worker.sampler import SamplerMode, SamplerOutput, SamplingMetadata, sample
+from jaxserve.worker.sampler import (
+    DEFAULT_SEARCH,
+    SamplerMode,
+    SamplerOutput,
+    SamplingMetadata,
+    ThresholdSearch,
+    sample,
+)
 from jaxserve.worker.sampler_inputs import grammar_bitmask, sampler_packing, sampling_inputs, verify_inputs
 from jaxserve.worker.step_handle import (
     CompileMonitor,
@@ -126,7 +133,7 @@ class ModelRunner:
         record_sampled: bool = True,
         abstract: bool = False,
         logprobs_branch: bool = False,
-        radix_bits: int = 1,
+        threshold_search: ThresholdSearch = DEFAULT_SEARCH,
         pooler: Pooler | None = None,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
@@ -138,12 +145,11 @@ class ModelRunner:
         `logprobs_branch`: a step where no row asks for logprobs skips their passes over the
         vocabulary, by a data-dependent branch on the device: for the CPU only (on GPU/TPU
         such a branch can synchronise with the host; scripts/export_step.py refuses it).
-        `radix_bits`: bits of top-k / top-p's threshold found per pass over the vocabulary
-        (sampler.largest_threshold: fewer passes, 2^bits - 1 compares each).
+        `threshold_search`: how top-k and top-p find their thresholds (sampler.ThresholdSearch).
         `pooler`: the pooling requests' (worker/pooler.py; a classifier's holds its head)."""
         self.stages = stages
         self.logprobs_branch = logprobs_branch
-        self.radix_bits = radix_bits
+        self.threshold_search = threshold_search
         last = stages[-1]
         self.model = last.model  # the LM head and sampler run on the last stage
         self.params = last.params
@@ -298,10 +304,10 @@ class ModelRunner:
         if drafts is not None:
             draft_ids, group_first = drafts
             out = rejection_sample(logits, prompt_mask, output_counts, md, key.mode, processors,
-                                   draft_ids, group_first, self.radix_bits)
+                                   draft_ids, group_first, self.threshold_search)
         else:
             out = sample(logits, prompt_mask, output_counts, md, key.mode, processors,
-                         self.radix_bits)
+                         self.threshold_search)
         # Padding rows carry slot S (out of range): mode="drop" discards their writes.
         S = self.max_num_seqs
         if not key.verify:

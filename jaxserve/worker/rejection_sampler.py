@@ -27,9 +27,11 @@ import jax.numpy as jnp
 
 from jaxserve.worker.penalty_state import LogitsProcessors
 from jaxserve.worker.sampler import (
+    DEFAULT_SEARCH,
     SamplerMode,
     SamplerOutput,
     SamplingMetadata,
+    ThresholdSearch,
     first_argmax,
     inverse_cdf_sample,
     processed_logits,
@@ -47,7 +49,7 @@ def rejection_sample(
     processors: LogitsProcessors | None,
     draft_ids: jax.Array,  # i32[R]: the draft this row verifies; -1: none (a request's last row)
     group_first: jax.Array,  # i32[R]: index of the first row of this row's request
-    radix_bits: int = 1,  # top-k / top-p's threshold search (sampler.largest_threshold)
+    search: ThresholdSearch = DEFAULT_SEARCH,  # top-k / top-p's (sampler.largest_threshold)
 ) -> SamplerOutput:
     """One emitted-or-not token per row; `emitted` marks each request's accepted drafts
     and its final token, `final` the final token's row."""
@@ -56,7 +58,7 @@ def rejection_sample(
     target = first_argmax(logits)
     accepted = draft_ids == target
     if mode is not SamplerMode.GREEDY:
-        scaled = scaled_logits(logits, md, mode, radix_bits)
+        scaled = scaled_logits(logits, md, mode, search)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(md.seeds, md.positions)
         plain = inverse_cdf_sample(scaled, jax.vmap(jax.random.uniform)(keys))
         has_draft = draft_ids >= 0

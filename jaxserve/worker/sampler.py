@@ -172,27 +172,50 @@ def ordered_keys(x: jax.Array) -> jax.Array:
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
+@dataclass(frozen=True)
+class ThresholdSearch:
+    """How top-k and top-p find their thresholds (`largest_threshold`).
+
+    `radix_bits`: bits of the threshold found per pass over the vocabulary (fewer passes,
+    2^bits - 1 compares each). `unrolled`: every pass a copy in the program, which XLA's
+    cost analysis counts (the device roofline reads it), or one loop body run 32 / bits
+    times, as fast on the CPU and a fifth of the compile."""
+
+    radix_bits: int = 1
+    unrolled: bool = True
+
+
+DEFAULT_SEARCH = ThresholdSearch()  # 1 bit a pass, unrolled
+
+
 def largest_threshold(keys: jax.Array, target: jax.Array, weights: jax.Array | None = None,
-                      radix_bits: int = 1) -> jax.Array:
+                      search: ThresholdSearch = DEFAULT_SEARCH) -> jax.Array:
     """Per row, the largest key t whose entries at or above it weigh at least `target` (a
     count without `weights`): the k-th largest key, or top-p's last kept one. Exact, and no
-    sort: t is built `radix_bits` bits at a time, from the top, each digit's 2^bits - 1
-    candidates weighed in one pass over the row (t is always a key of the row). Unrolled,
-    so XLA's cost analysis counts every pass."""
-    n = (1 << radix_bits) - 1
-    digits = jnp.arange(1, n + 1, dtype=jnp.uint32)
-    t = jnp.zeros(keys.shape[:1], jnp.uint32)
-    for shift in range(32 - radix_bits, -1, -radix_bits):
-        candidates = t[:, None] | (digits[None, :] << shift)  # [R, n], increasing
-        above = keys[:, None, :] >= candidates[:, :, None]  # [R, n, V]
+    sort: t is built `search.radix_bits` bits at a time, from the top, each digit's
+    2^bits - 1 candidates weighed in one pass over the row (t is always a key of the row)."""
+    bits = search.radix_bits
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+
+    def digit(shift: jax.Array | int, t: jax.Array) -> jax.Array:
+        candidates = t[:, None] | (digits[None, :] << shift)  # [R, 2^bits - 1], increasing
+        above = keys[:, None, :] >= candidates[:, :, None]  # [R, 2^bits - 1, V]
         weight = (jnp.sum(above, axis=-1) if weights is None
                   else jnp.sum(jnp.where(above, weights[:, None, :], 0.0), axis=-1))
-        t = t | (jnp.sum(weight >= target[:, None], axis=-1).astype(jnp.uint32) << shift)
-    return t
+        return t | (jnp.sum(weight >= target[:, None], axis=-1).astype(jnp.uint32) << shift)
+
+    t = jnp.zeros(keys.shape[:1], jnp.uint32)
+    if search.unrolled:
+        for shift in range(32 - bits, -1, -bits):
+            t = digit(shift, t)
+        return t
+    return jax.lax.fori_loop(
+        0, 32 // bits,
+        lambda i, t: digit(jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32), t), t)
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                      radix_bits: int = 1) -> jax.Array:
+                      search: ThresholdSearch = DEFAULT_SEARCH) -> jax.Array:
     """Keep the top_k most likely tokens (ties with the k-th too), then the smallest set
     reaching top_p (vLLM's order). Thresholds found by `largest_threshold`, not a sort of
     the vocabulary: a full sort per row was most of a filtered sampler's compile on TPUs
@@ -201,13 +224,13 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     keys = ordered_keys(logits)
     use_k = top_k > 0
     kth = largest_threshold(keys, jnp.where(use_k, jnp.minimum(top_k, vocab), 1),
-                            radix_bits=radix_bits)
+                            search=search)
     logits = jnp.where(use_k[:, None] & (keys < kth[:, None]), _NEG_INF, logits)
     # Token t is kept while the mass of the tokens above it is below top_p: the last kept
     # one is the largest key whose tokens at or above it reach top_p. top_p = 1 keeps
     # everything exactly (the sum can round below 1).
     probs = jax.nn.softmax(logits, axis=-1)
-    last = largest_threshold(keys, top_p, probs, radix_bits=radix_bits)
+    last = largest_threshold(keys, top_p, probs, search=search)
     return jnp.where((top_p < 1.0)[:, None] & (keys < last[:, None]), _NEG_INF, logits)
 
 
@@ -261,13 +284,13 @@ def processed_logits(
 
 
 def scaled_logits(logits: jax.Array, md: SamplingMetadata, mode: SamplerMode,
-                  radix_bits: int = 1) -> jax.Array:
+                  search: ThresholdSearch = DEFAULT_SEARCH) -> jax.Array:
     """The distribution random rows draw from: temperature, then the filters (FILTERED)."""
     is_greedy = md.temperature <= 0.0
     scaled = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
     if mode is SamplerMode.FILTERED:  # each filter is a no-op on rows without it
         scaled = apply_min_p(scaled, md.min_p)
-        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, radix_bits)
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p, search)
     return scaled
 
 
@@ -278,18 +301,18 @@ def sample(
     md: SamplingMetadata,
     mode: SamplerMode = SamplerMode.FILTERED,
     processors: LogitsProcessors | None = None,
-    radix_bits: int = 1,
+    search: ThresholdSearch = DEFAULT_SEARCH,
 ) -> SamplerOutput:
     """Sample one token per row and report logprobs (of the raw model distribution).
 
     `mode` must cover the batch (`SamplerMode.for_batch`); FILTERED covers every batch.
-    `radix_bits`: top-k / top-p's threshold search (`largest_threshold`).
+    `search`: how top-k and top-p find their thresholds (`largest_threshold`).
     """
     raw_logits = logits
     logits = processed_logits(logits, prompt_mask, output_counts, md, processors)
     sampled = first_argmax(logits)
     if mode is not SamplerMode.GREEDY:
-        scaled = scaled_logits(logits, md, mode, radix_bits)
+        scaled = scaled_logits(logits, md, mode, search)
         sampled = jnp.where(md.temperature <= 0.0, sampled,
                             random_sample(scaled, md.seeds, md.positions))
     return with_logprobs(raw_logits, sampled, md.logprobs)

@@ -43,6 +43,7 @@ from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, fmt_bytes, 
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
+from jaxserve.worker.sampler import ThresholdSearch
 from jaxserve.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,13 @@ logger = logging.getLogger(__name__)
 # With no device memory to profile on the CPU, the KV cache gets this budget
 # unless --kv-cache-memory-bytes says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-# Top-k / top-p threshold bits per pass over the vocabulary (sampler.largest_threshold): the
-# CPU is compute-bound there (one compare per pass), a TPU or GPU bandwidth-bound (fewer
-# passes over [rows, vocab], 15 compares each). docs/benchmarks.md has the measurements.
-SAMPLER_RADIX_BITS_CPU, SAMPLER_RADIX_BITS_DEVICE = 1, 4
+# Top-k / top-p's threshold search (sampler.largest_threshold): the CPU is compute-bound there
+# (one compare per pass: 1 bit a pass), a TPU or GPU bandwidth-bound (fewer passes over
+# [rows, vocab], 15 compares each); a loop on the CPU (each filtered sampler compiled in a
+# fifth of the time, as fast), unrolled on devices, whose roofline counts every pass.
+# docs/benchmarks.md has the measurements.
+THRESHOLD_SEARCH_CPU = ThresholdSearch(radix_bits=1, unrolled=False)
+THRESHOLD_SEARCH_DEVICE = ThresholdSearch(radix_bits=4, unrolled=True)
 
 
 def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
@@ -304,8 +308,8 @@ class Worker:
             record_sampled=not sc.async_scheduling,
             abstract=abstract,
             logprobs_branch=self.platform == "cpu",
-            radix_bits=(SAMPLER_RADIX_BITS_CPU if self.platform == "cpu"
-                        else SAMPLER_RADIX_BITS_DEVICE),
+            threshold_search=(THRESHOLD_SEARCH_CPU if self.platform == "cpu"
+                              else THRESHOLD_SEARCH_DEVICE),
             pooler=Pooler(sc.max_num_seqs, self.score_head, self.resolved.classifier),
         )
 

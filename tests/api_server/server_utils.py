@@ -19,6 +19,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The settings of the end-to-end tests (and of the in-process LLM they compare with).
 SMALL_ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "16",
                      "--kv-cache-memory-bytes", str(256 << 20)]
+# As vLLM's own tests run its servers: a test's server compiles the programs its requests use,
+# on first use, not every bucket's at start. The warm-up is what the servers without it test
+# (test_engine_death's Ctrl-C and load tests, test_debug's symptoms) and
+# tests/worker/test_llm_default_model.py's "nothing compiles after warm-up".
+EAGER = ["--enforce-eager"]
 
 
 def ipc_files(tmpdir: str | None = None) -> set[str]:

@@ -20,7 +20,7 @@ import openai
 import pytest
 import schemathesis
 
-from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer, wait_idle
+from .server_utils import EAGER, ROOT, SMALL_ENGINE_ARGS, RemoteServer, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n[[{{ m['content
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--api-key", KEY, "--max-logprobs", "5",
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER, "--api-key", KEY, "--max-logprobs", "5",
                        "--root-path", "/proxy", "--chat-template", TEMPLATE,
                        "--enable-prompt-tokens-details"], api_key=KEY) as s:
         yield s

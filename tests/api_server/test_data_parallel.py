@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from tests.api_server.server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from tests.api_server.server_utils import EAGER, SMALL_ENGINE_ARGS, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,", "To be o
 def test_dp2_balances_and_matches_single_engine() -> None:
     from jaxserve import LLM, SamplingParams
 
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--data-parallel-size", "2"]) as server:
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER, "--data-parallel-size", "2"]) as server:
         log = server.read_log()
         assert len(set(re.findall(r"engine core process (\d+) \(pid", log))) == 2
 

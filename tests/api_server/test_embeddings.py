@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import EAGER, SMALL_ENGINE_ARGS, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ TEXTS = ["Hello, world", ("The quick brown fox jumps over the lazy dog, again an
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--max-num-batched-tokens", "32", "--pooler-config",
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER, "--max-num-batched-tokens", "32", "--pooler-config",
                        json.dumps({"pooling_type": "MEAN", "normalize": False})]) as s:
         yield s
 

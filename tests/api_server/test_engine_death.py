@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from .server_utils import ROOT, SMALL_ENGINE_ARGS, RemoteServer, ipc_files, process_gone
+from .server_utils import EAGER, ROOT, SMALL_ENGINE_ARGS, RemoteServer, ipc_files, process_gone
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_engine_failure_fails_requests_and_exits_non_zero(kill: bool, tmp_path) 
     # The faulty worker raises on its 60th forward: after the 4 requests are all running,
     # long before any of them (400 tokens) could finish. The grace period before the server
     # exits is long enough for the late requests below on a busy machine (2 s by default).
-    server = RemoteServer(SMALL_ENGINE_ARGS, module="tests.api_server.faulty_serve",
+    server = RemoteServer([*SMALL_ENGINE_ARGS, *EAGER], module="tests.api_server.faulty_serve",
                           env={"JAXSERVE_TEST_FAIL_AT_STEP": "0" if kill else "60", "TMPDIR": tmp,
                                "JAXSERVE_TEST_DEAD_GRACE_S": "15"})
     try:
@@ -171,7 +171,7 @@ def test_a_grammar_that_fails_mid_generation_ends_the_request_with_an_error() ->
     finish_reason "error" and the reason, a stream with an error event too, and a Responses
     stream with response.failed; an unconstrained request beside it is untouched and the
     server keeps serving."""
-    server = RemoteServer(SMALL_ENGINE_ARGS, module="tests.api_server.faulty_serve",
+    server = RemoteServer([*SMALL_ENGINE_ARGS, *EAGER], module="tests.api_server.faulty_serve",
                           env={"JAXSERVE_TEST_FAIL_GRAMMAR_AFTER": "3"})
     try:
         grammar = {"prompt": "Digits:", "max_tokens": 12, "temperature": 0,

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, ipc_files, process_gone, wait_idle
+from .server_utils import EAGER, SMALL_ENGINE_ARGS, RemoteServer, ipc_files, process_gone, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ HI = [{"role": "user", "content": "Hi!"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ipc"))
-    with RemoteServer(SMALL_ENGINE_ARGS, env={"TMPDIR": tmp}) as s:
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER], env={"TMPDIR": tmp}) as s:
         assert ipc_files(tmp)
         yield s
     # `with` ended it with SIGTERM (docker stop): a clean exit through the same cleanup as

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer
+from .server_utils import EAGER, SMALL_ENGINE_ARGS, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ GREEDY = dict(model=MODEL, temperature=0.0, max_tokens=80)
 
 @pytest.fixture(scope="module")
 def server():
-    with RemoteServer([*SMALL_ENGINE_ARGS, "--enable-auto-tool-choice", "--tool-call-parser",
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER, "--enable-auto-tool-choice", "--tool-call-parser",
                        "hermes", "--reasoning-parser", "deepseek_r1"]) as s:
         yield s
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_utils import SMALL_ENGINE_ARGS, RemoteServer, free_port
+from .server_utils import EAGER, SMALL_ENGINE_ARGS, RemoteServer, free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,8 +23,8 @@ MODEL = "SmolLM2-135M-Instruct"
 def test_two_servers_behind_vllm_router(tmp_path) -> None:
     router_bin = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     # Both servers start at once (their loads and compiles overlap).
-    with RemoteServer(SMALL_ENGINE_ARGS, wait_healthy=False) as a, \
-            RemoteServer(SMALL_ENGINE_ARGS, wait_healthy=False) as b:
+    with RemoteServer([*SMALL_ENGINE_ARGS, *EAGER], wait_healthy=False) as a, \
+            RemoteServer([*SMALL_ENGINE_ARGS, *EAGER], wait_healthy=False) as b:
         a._wait_until_healthy(240)
         b._wait_until_healthy(240)
         port = free_port()

@@ -23,8 +23,9 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a dragon who",
 ]
 
+# enforce_eager: the programs the steps use, compiled on first use, by both processes alike.
 ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2)
+                   kv_cache_memory_bytes=64 << 20, tensor_parallel_size=2, enforce_eager=True)
 
 
 def generate(llm: object) -> None:

@@ -10,6 +10,7 @@ import pytest
 from jaxserve.worker.penalty_state import LogitsProcessors
 from jaxserve.worker.sampler import (
     SamplingMetadata,
+    ThresholdSearch,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -79,19 +80,20 @@ def test_penalties_match_numpy(logits) -> None:
     np.testing.assert_allclose(np.asarray(got), np_penalties(logits, prompt_mask, counts, rep, freq, pres), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("radix_bits", [1, 4])
-def test_top_k_top_p_match_numpy(logits, radix_bits: int) -> None:
+@pytest.mark.parametrize("search", [ThresholdSearch(1, unrolled=False), ThresholdSearch(4)],
+                         ids=["cpu", "device"])
+def test_top_k_top_p_match_numpy(logits, search: ThresholdSearch) -> None:
     top_k = np.array([0, 1, 5, 0, 10, 3], np.int32)
     top_p = np.array([1.0, 1.0, 1.0, 0.5, 0.9, 0.3], np.float32)
     logits = logits.copy()
     logits[2, :7] = -np.inf  # masked by a processor before the filters
     got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p),
-                                       radix_bits))
+                                       search))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_k_top_p(logits, top_k, top_p)))
 
 
-@pytest.mark.parametrize("radix_bits", [1, 2, 4])
-def test_largest_threshold_is_the_kth_largest_value(radix_bits: int) -> None:
+@pytest.mark.parametrize("radix_bits,unrolled", [(1, False), (2, True), (4, True), (4, False)])
+def test_largest_threshold_is_the_kth_largest_value(radix_bits: int, unrolled: bool) -> None:
     """Against a sort: negative and positive values, -inf, zeros of both signs, ties."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(4, 300)).astype(np.float32) * 50
@@ -100,7 +102,8 @@ def test_largest_threshold_is_the_kth_largest_value(radix_bits: int) -> None:
     x[2, :50], x[2, 50:60] = 0.0, -0.0
     x[3] = np.round(x[3])
     k = np.array([1, 120, 55, 300], np.int32)
-    t = largest_threshold(ordered_keys(jnp.asarray(x)), jnp.asarray(k), radix_bits=radix_bits)
+    t = largest_threshold(ordered_keys(jnp.asarray(x)), jnp.asarray(k),
+                          search=ThresholdSearch(radix_bits, unrolled))
     want = np.sort(x, axis=-1)[:, ::-1][np.arange(4), k - 1]
     keys = np.asarray(ordered_keys(jnp.asarray(want)))
     np.testing.assert_array_equal(np.asarray(t), keys)

@@ -21,8 +21,9 @@ PROMPTS = [
     "The capital of France is",
     "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
 ]
+# Each compiles the programs its steps use (no warm-up of every bucket: CI's time).
 COMMON = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=128 << 20)
+              kv_cache_memory_bytes=128 << 20, enforce_eager=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 

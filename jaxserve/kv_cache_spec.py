@@ -29,26 +29,48 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """One block table's layers (slot i holds `layers[i]`) and what they attend over."""
+    """One block table's layers (slot i holds `layers[i]`) and what they keep: attention
+    K/V pages over the context or its sliding window, or a recurrent state (vLLM's
+    MambaSpec: linear-attention layers' convolution and delta-rule states)."""
 
     layers: tuple[int, ...]
     sliding_window: int | None = None  # None: full attention (vLLM's FullAttentionSpec)
+    # A recurrent group's table holds state slots of a pool of their own, not pages: one
+    # entry per `state_block_size` tokens (a multiple of the page; vLLM's mamba_block_size),
+    # the state after that block's last token, kept for the prefix cache. 0: no states are
+    # kept but the request's own (vLLM's --mamba-cache-mode none).
+    recurrent: bool = False
+    state_block_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list off the wire
+        if self.recurrent and self.sliding_window is not None:
+            raise ValueError("a recurrent-state group has no sliding window")
+        if self.state_block_size and not self.recurrent:
+            raise ValueError("state_block_size is a recurrent-state group's")
 
     @property
     def kind(self) -> str:
+        if self.recurrent:
+            return "recurrent_state"
         return "full_attention" if self.sliding_window is None else "sliding_window"
 
     def max_pages(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
         """Pages one request of `num_tokens` holds at most while computing `chunk` tokens a
         step: every page for full attention; for a sliding window the pages covering the
-        window before the step's first token and the step's own tokens."""
+        window before the step's first token and the step's own tokens; none for a
+        recurrent state (its slots are `max_state_slots`)."""
         every = cdiv(num_tokens, block_size)
+        if self.recurrent:
+            return 0
         if self.sliding_window is None:
             return every
         return min(every, cdiv(self.sliding_window - 1 + chunk, block_size) + 1)
+
+    def max_state_slots(self) -> int:
+        """State slots one running request holds at most: the state it reads and, in a step
+        that starts a new state block, the one it writes (the other stays cached)."""
+        return (2 if self.state_block_size else 1) if self.recurrent else 0  # at most
 
 
 @dataclass(frozen=True)
@@ -85,6 +107,14 @@ class KVCacheGroups:
     @property
     def has_sliding(self) -> bool:
         return any(g.sliding_window is not None for g in self.groups)
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(g.recurrent for g in self.groups)
+
+    def state_slots_per_request(self) -> int:
+        """State slots (of every recurrent group) one running request holds at most."""
+        return sum(g.max_state_slots() for g in self.groups)
 
     def layer_group_slot(self, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's group and slot (for one group: group 0, slot = the layer)."""
@@ -135,10 +165,13 @@ class KVCacheGroups:
             g = self.groups[0]
             return ("one group, full attention" if g.sliding_window is None
                     else f"one group, sliding window {g.sliding_window}")
-        full = sum(g.sliding_window is None for g in self.groups)
-        window = next(g.sliding_window for g in self.groups if g.sliding_window is not None)
-        return (f"{len(self.groups)} groups of {self.num_slots} layers: {full} full attention, "
-                f"{len(self.groups) - full} sliding window {window}")
+        counts: dict[str, int] = {}
+        for g in self.groups:
+            name = {"full_attention": "full attention", "recurrent_state": "recurrent state",
+                    "sliding_window": f"sliding window {g.sliding_window}"}[g.kind]
+            counts[name] = counts.get(name, 0) + 1
+        return (f"{len(self.groups)} groups of {self.num_slots} layers: "
+                + ", ".join(f"{n} {name}" for name, n in counts.items()))
 
 
 FULL_ATTENTION = KVCacheGroups((KVCacheGroupSpec(()),))

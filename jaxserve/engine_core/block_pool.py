@@ -215,6 +215,16 @@ class BlockPool:
             block.block_hash = block_hash
             cache[block_hash] = block
 
+    def cache_block(self, block: KVCacheBlock, page_hash: BlockHash, group: int) -> None:
+        """Register one block (a recurrent group's state at a boundary) under the hash of the
+        page that ends there, as group `group`'s."""
+        if block.block_hash is not None or block.is_null:
+            return
+        block_hash = group_key(page_hash, group)
+        if block_hash not in self.cached_block_hash_to_block:
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 

@@ -37,13 +37,23 @@ class KVCacheManager:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         kv_cache_groups: KVCacheGroups = FULL_ATTENTION,
+        num_state_slots: int = 0,
     ) -> None:
+        """`num_state_slots`: the pool of the recurrent groups' states (slot 0 the null
+        one), for models with linear-attention layers."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_prefix_caching
         self.kv_cache_groups = kv_cache_groups
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.coordinator = KVCacheCoordinator(kv_cache_groups, self.block_pool, block_size)
+        self.state_pool: BlockPool | None = None
+        if kv_cache_groups.has_recurrent:
+            if num_state_slots < 2:
+                raise ValueError(f"a model with recurrent layers needs num_state_slots >= 2 "
+                                 f"(slot 0 is the null one), got {num_state_slots}")
+            self.state_pool = BlockPool(num_state_slots, enable_prefix_caching)
+        self.coordinator = KVCacheCoordinator(kv_cache_groups, self.block_pool, block_size,
+                                              max_model_len, self.state_pool)
         self.block_hasher = RequestBlockHasher(block_size) if enable_prefix_caching else None
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -61,9 +71,15 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
+    @property
+    def state_usage(self) -> float:
+        """The fraction of state slots in use (0 without recurrent layers)."""
+        return self.state_pool.get_usage() if self.state_pool is not None else 0.0
+
     def group_usage(self) -> list[float]:
-        """The fraction of all pages each group holds (they add up to `usage`)."""
-        return [m.num_pages / (self.block_pool.num_blocks - 1) for m in self.coordinator.managers]
+        """The fraction of its pool each group holds: the attention groups' add up to
+        `usage`, the recurrent groups' to `state_usage`."""
+        return [m.num_pages / (m.block_pool.num_blocks - 1) for m in self.coordinator.managers]
 
     def usage_by_kind(self) -> dict[str, float]:
         """`group_usage` summed by the groups' kind, for /debug."""
@@ -76,6 +92,10 @@ class KVCacheManager:
         """Counters since the previous call; resets them."""
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
+
+    def new_step(self) -> None:
+        """The scheduler starts a step (the previous one is dispatched)."""
+        self.coordinator.new_step()
 
     # --- prefix cache ---------------------------------------------------------
 
@@ -132,10 +152,7 @@ class KVCacheManager:
             if self.enable_caching:
                 coordinator.cache_blocks(request, min(end, request.num_tokens))
             return self.empty()
-        # NOTE: a hit page with ref_cnt 0 sits in the free queue; touching it removes it from
-        # there, so it costs a free page too.
-        num_evictable = sum(1 for blocks in hit for b in blocks if b.ref_cnt == 0 and not b.is_null)
-        if sum(counts) + num_evictable > self.block_pool.get_num_free_blocks():
+        if not coordinator.fits(counts, hit):
             return None
         if computed is not None:
             coordinator.save_new_computed_blocks(req_id, computed)
@@ -155,6 +172,11 @@ class KVCacheManager:
             # Capped at num_tokens: placeholders are not real tokens yet.
             coordinator.cache_blocks(request, min(end, request.num_tokens))
         return added
+
+    def chunk_limit(self, num_computed_tokens: int) -> int | None:
+        """The most tokens a request at `num_computed_tokens` may compute in one step, so
+        that a step reaching a kept state's boundary ends there (None: any)."""
+        return self.coordinator.chunk_limit(num_computed_tokens) if self.enable_caching else None
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register each group's pages that are full within the request's first

@@ -64,6 +64,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         kv_cache_groups: KVCacheGroups = FULL_ATTENTION,
+        num_state_slots: int = 0,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output = structured_output or StructuredOutputManager()
@@ -83,7 +84,7 @@ class Scheduler:
                                     self.max_num_scheduled_tokens)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
-            kv_cache_groups,
+            kv_cache_groups, num_state_slots,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -96,6 +97,15 @@ class Scheduler:
         spec = speculative_config
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs async_scheduling=False")
+        if (not self.enable_chunked_prefill and cache_config.enable_prefix_caching
+                and any(g.state_block_size for g in kv_cache_groups.groups)):
+            raise ValueError("kept recurrent states (prefix caching of a model with "
+                             "linear-attention layers) need chunked prefill: a step ends on "
+                             "each state block's boundary")
+        if spec is not None and kv_cache_groups.has_recurrent:
+            raise ValueError("speculative decoding is not supported for models with recurrent "
+                             "(linear-attention) layers: their state cannot be rolled back past "
+                             "a rejected draft; drop --speculative-config")
         self.max_reqs_per_step = -(-self.max_num_running_reqs // scheduler_config.num_microbatches)
         self.drafter = Drafter(spec, self.max_num_running_reqs) if spec is not None else None
 
@@ -166,6 +176,7 @@ class Scheduler:
         drafter = self.drafter
         if drafter is not None:
             drafter.start_step()
+        self.kv_cache_manager.new_step()
 
         token_budget = self._schedule_running(
             self.max_num_scheduled_tokens, now, scheduled_running_reqs, req_to_new_blocks,
@@ -216,6 +227,7 @@ class Scheduler:
         running request whenever pages run out; returns the budget left."""
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
+        chunk_limit = self.kv_cache_manager.chunk_limit
         max_model_len = self.max_model_len
         req_index = 0
         max_reqs = self.max_reqs_per_step
@@ -233,6 +245,9 @@ class Scheduler:
             if num_new_tokens > max_model_len - 1 - num_computed:
                 # The token at the last position is sampled, never an input.
                 num_new_tokens = max_model_len - 1 - num_computed
+            limit = chunk_limit(num_computed)  # ends on a kept state's boundary
+            if limit is not None and num_new_tokens > limit:
+                num_new_tokens = limit
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -310,7 +325,8 @@ class Scheduler:
                 continue
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
-            num_to_schedule = min(num_new_tokens, token_budget)
+            num_to_schedule = min(num_new_tokens, token_budget, kv.chunk_limit(num_computed)
+                                  or num_new_tokens)
             if num_to_schedule < num_new_tokens and not self.enable_chunked_prefill:
                 break
             new_blocks = kv.allocate_slots(

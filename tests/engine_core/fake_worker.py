@@ -60,9 +60,12 @@ class FakeWorker:
         deterministic: bool = True,
         token_fn: Callable[[str, int], int] | None = None,
         windows: tuple[int | None, ...] = (None,),
+        state_blocks: tuple[int | None, ...] | None = None,
     ) -> None:
         """deterministic=False mixes the step number into each token, like real
-        sampling: then a token the scheduler and the worker disagree on shows up."""
+        sampling: then a token the scheduler and the worker disagree on shows up.
+        `state_blocks`: per group, None for attention, or a recurrent group's tokens per
+        table entry; its "state" in a slot is the tuple of tokens it has seen."""
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -71,7 +74,9 @@ class FakeWorker:
         self.deterministic = deterministic
         self.token_fn = token_fn  # (req_id, position) -> token, instead of fake_token
         self.windows = windows  # each KV cache group's sliding window (None: full attention)
+        self.state_blocks = state_blocks or (None,) * len(windows)
         self.kv = np.full((len(windows), num_blocks, block_size), -1, dtype=np.int64)
+        self.states: dict[tuple[int, int], tuple[int, ...]] = {}  # (group, slot) -> tokens seen
         self.reqs: dict[str, _ReqState] = {}
         self.steps: list[SchedulerOutput] = []
         self.num_executed = 0
@@ -105,6 +110,8 @@ class FakeWorker:
 
         bs = self.block_size
         spec = so.scheduled_spec_decode_tokens
+        # A recurrent layer reads every request's initial state before any writes its own.
+        self._read_states(so)
         # Write the KV of every scheduled token first (as each layer does) ...
         for req_id, n in so.num_scheduled_tokens.items():
             st = self.reqs[req_id]
@@ -114,6 +121,12 @@ class FakeWorker:
             assert not drafts or end - len(drafts) == len(st.tokens), "drafts after a known token"
             assert end - len(drafts) <= len(st.tokens), f"{req_id}: position {end - 1} has no input token"
             for g, ids in enumerate(st.block_ids):
+                entry = self.state_blocks[g]
+                if entry is not None:  # the state after the step's last token
+                    slot = ids[(end - 1) // entry]
+                    assert slot != 0, f"{req_id}: writes its state to the null slot"
+                    self.states[g, slot] = tuple((st.tokens + drafts)[:end])
+                    continue
                 assert -(-end // bs) <= len(ids), f"{req_id}: no page for position {end - 1}"
                 seen = np.asarray(ids)[self._first_read(g, start) // bs : -(-end // bs)]
                 assert 0 not in seen, f"{req_id}: the null page in group {g}'s window"
@@ -128,6 +141,8 @@ class FakeWorker:
             end = st.num_computed_tokens + n
             drafts = spec.get(req_id, [])
             for g, ids in enumerate(st.block_ids if self.check_kv else ()):
+                if self.state_blocks[g] is not None:
+                    continue
                 pos = np.arange(self._first_read(g, st.num_computed_tokens), end)
                 got = self.kv[g, np.asarray(ids)[pos // bs], pos % bs]
                 bad = np.nonzero(got != np.asarray((st.tokens + drafts)[pos[0] : end]))[0]
@@ -157,6 +172,22 @@ class FakeWorker:
             logprobs=logprobs,
         )
 
+
+    def _read_states(self, so: SchedulerOutput) -> None:
+        """Each recurrent group's initial state of each request: the entry of its last
+        computed token, which must hold the state after exactly its computed tokens."""
+        for req_id in so.num_scheduled_tokens:
+            st = self.reqs[req_id]
+            start = st.num_computed_tokens
+            for g, ids in enumerate(st.block_ids):
+                entry = self.state_blocks[g]
+                if entry is None or start == 0:
+                    continue
+                slot = ids[(start - 1) // entry]
+                assert slot != 0, f"{req_id}: reads its state from the null slot"
+                assert self.states.get((g, slot)) == tuple(st.tokens[:start]), (
+                    f"{req_id}: group {g}'s state in slot {slot} is not the one after its "
+                    f"{start} computed tokens")
 
     def _first_read(self, group: int, start: int) -> int:
         """The first position a query at `start` or later reads in `group`."""

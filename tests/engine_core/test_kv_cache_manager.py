@@ -283,3 +283,90 @@ def test_hybrid_groups_take_the_rarer_kinds_count():
     # At 32k, 16-token pages: one full group of 2048 pages and six of 65 sliding ones.
     assert groups.pages_per_request(32768, 16) == 2048 + 6 * 65
     assert KVCacheGroups.for_layers(windows, hybrid=False).slots(34) == 34
+
+
+# --- recurrent-state groups (linear attention) ----------------------------------------
+
+
+def with_state(keep_every: int) -> KVCacheGroups:
+    """A full-attention group and a recurrent one keeping its state every `keep_every` tokens."""
+    return KVCacheGroups((KVCacheGroupSpec((0,)),
+                          KVCacheGroupSpec((1,), recurrent=True, state_block_size=keep_every)),
+                         num_slots=1)
+
+
+def prefill_in_chunks(kv, r):
+    """The scheduler's chunks for r's prompt: each ends on a kept state's boundary."""
+    chunks = []
+    while r.num_computed_tokens < r.num_tokens:
+        n = min(r.num_tokens - r.num_computed_tokens, kv.chunk_limit(r.num_computed_tokens) or 99)
+        kv.new_step()
+        assert kv.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        chunks.append(n)
+    kv.new_step()
+    return chunks
+
+
+def test_a_state_is_kept_at_each_boundary_and_a_hit_lands_only_on_one():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                        kv_cache_groups=with_state(8), num_state_slots=10)
+    a = make_request("a", range(1, 21))
+    assert prefill_in_chunks(kv, a) == [8, 8, 4]  # steps end on the boundaries 8 and 16
+    full, state = kv.get_blocks("a")
+    # Entry 1 (the state after 16 tokens) is kept for the step after the boundary; entry 2 is
+    # the live state; entry 0 went back to the pool, cached.
+    assert [b.is_null for b in state] == [True, False, False] and len(full) == 5
+    assert kv.state_usage == 2 / 9
+    # 13 tokens in common: full attention could take 12, the state only its boundary at 8.
+    b = make_request("b", [*range(1, 14), 77, 78, 79])
+    (full_hit, state_hit), hit = kv.get_computed_blocks(b)
+    assert hit == 8 and len(full_hit) == 2 and [s.is_null for s in state_hit] == [False]
+    assert state_hit[0].block_id not in kv.get_block_ids("a")[1]  # a gave it back; still cached
+    # 19 in common: the boundary at 16.
+    c = make_request("c", [*range(1, 20), 55])
+    (_, state_hit), hit = kv.get_computed_blocks(c)
+    assert hit == 16 and state_hit[1] is state[1]
+    # The hit's next step writes a fresh slot; the cached state is only read.
+    c.num_computed_tokens = 0
+    new = kv.allocate_slots(c, 4, 16, kv.get_computed_blocks(c)[0])
+    assert new is not None and len(new[1]) == 1 and new[1][0] not in state
+    kv.free(a)
+    kv.free(c)
+    assert kv.state_usage == 0
+
+
+def test_a_state_computed_in_a_step_is_hit_only_from_the_next_step():
+    """A request of the same step reads its initial state before the step writes it."""
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                        kv_cache_groups=with_state(8), num_state_slots=10)
+    a = make_request("a", range(1, 13))
+    kv.new_step()
+    assert kv.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    b = make_request("b", range(1, 13))
+    assert kv.get_computed_blocks(b)[1] == 0  # the same step: not yet
+    kv.new_step()
+    assert kv.get_computed_blocks(b)[1] == 8
+
+
+def test_without_prefix_caching_a_request_holds_one_state_slot():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64, enable_prefix_caching=False,
+                        kv_cache_groups=with_state(8), num_state_slots=3)
+    a = make_request("a", range(1, 30))
+    assert kv.chunk_limit(0) is None
+    admit(kv, a)
+    decode(kv, a, 10)
+    assert [len(t) for t in kv.get_block_ids("a")] == [10, 1]
+
+
+def test_state_slots_run_out_apart_from_pages():
+    kv = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                        kv_cache_groups=with_state(8), num_state_slots=2)
+    a, b = make_request("a", range(1, 5)), make_request("b", range(50, 54))
+    assert admit(kv, a)[0] is not None
+    assert admit(kv, b)[0] is None  # the one slot is a's; pages are plenty
+    assert kv.usage < 0.2 and kv.state_usage == 1.0
+    with pytest.raises(ValueError, match="num_state_slots"):
+        KVCacheManager(num_blocks=40, block_size=BS, max_model_len=64,
+                       kv_cache_groups=with_state(8))

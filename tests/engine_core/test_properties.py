@@ -4,7 +4,11 @@ After every step: no step over its token budget or max_num_seqs, reference
 counts equal the number of block tables holding each page, the free queue holds
 exactly the unreferenced pages, the worker's block tables equal the
 scheduler's (where a sliding window gave a page back, the scheduler's is null),
-and a sliding-window group holds no more pages than its window and a step need. After draining: every page is free, every request finished exactly
+a sliding-window group holds no more pages than its window and a step need, and a
+recurrent group no more than two state slots. The fake worker checks that every
+step reads the state after exactly the request's computed tokens (so a state hit
+lands only on a boundary whose state was written) and never a slot another request
+owns. After draining: every page and slot is free, every request finished exactly
 once (or was aborted), and each token stream and finish reason equals an
 independent oracle, whatever the scheduling mode, preemptions or cache hits.
 """
@@ -32,9 +36,12 @@ from .fake_worker import FakeAsyncWorker, fake_token
 EOS = 2
 VOCAB = 64
 EOS_PROB = 0.04
-# KV cache groups' sliding windows: one full group (most models), all sliding (Mistral),
-# hybrid (Gemma 2/3, GPT-OSS).
-WINDOWS = ((None,), (None,), (5,), (None, 6, 6), (None, 3))
+# KV cache groups' kinds: None full attention, an int a sliding window, "sK" a recurrent
+# state kept every K pages ("s0": none kept). One full group (most models), all sliding
+# (Mistral), hybrid (Gemma 2/3, GPT-OSS), linear attention beside full (Qwen3-Next,
+# Qwen3.5) and all three kinds.
+WINDOWS = ((None,), (None,), (5,), (None, 6, 6), (None, 3), (None, "s2"), (None, "s1", "s1"),
+           (None, "s0"), (None, 4, "s2"))
 PREFIXES = ([10 + (7 * i) % 50 for i in range(24)], [11 + (5 * i) % 50 for i in range(24)])
 
 
@@ -114,44 +121,58 @@ def random_ops(rng: random.Random, n: int) -> list[tuple]:
 
 def check_invariants(sched: Scheduler, worker: FakeAsyncWorker, cfg: SchedulerConfig) -> None:
     kv = sched.kv_cache_manager
-    pool = kv.block_pool
     for so in worker.steps:
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
     worker.steps.clear()
-    holders = set().union(*(m.req_to_blocks for m in kv.coordinator.managers))
+    managers = kv.coordinator.managers
+    holders = set().union(*(m.req_to_blocks for m in managers))
     tables = [kv.get_blocks(req_id) or () for req_id in holders]
-    refs = Counter(b.block_id for groups in tables for blocks in groups
-                   for b in blocks if not b.is_null)
-    free = pool.free_block_queue.get_all_free_blocks()
-    assert len(free) == pool.get_num_free_blocks()
-    assert {b.block_id for b in free} == {
-        b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null
-    }
-    for b in pool.blocks[1:]:
-        assert b.ref_cnt == refs[b.block_id], b
-    assert sum(kv.group_usage()) == pytest.approx(kv.usage)
-    for g, share in enumerate(kv.group_usage()):
-        held = {b.block_id for groups in tables for b in groups[g] if not b.is_null}
-        assert share * (pool.num_blocks - 1) == pytest.approx(len(held))
-    for h, b in pool.cached_block_hash_to_block.items():
-        assert b.block_hash == h
+    for pool in kv.coordinator.pools:  # pages, and the recurrent groups' state slots
+        groups = [m.group for m in managers if m.block_pool is pool]
+        refs = Counter(b.block_id for table in tables for g in groups for b in table[g]
+                       if not b.is_null)
+        free = pool.free_block_queue.get_all_free_blocks()
+        assert len(free) == pool.get_num_free_blocks()
+        assert {b.block_id for b in free} == {
+            b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null
+        }
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == refs[b.block_id], b
+        for h, b in pool.cached_block_hash_to_block.items():
+            assert b.block_hash == h
+    attention = [share for m, share in zip(managers, kv.group_usage()) if m.block_pool is kv.block_pool]
+    assert sum(attention) == pytest.approx(kv.usage)
+    for m, share in zip(managers, kv.group_usage()):
+        held = {b.block_id for table in tables for b in table[m.group] if not b.is_null}
+        assert share * (m.block_pool.num_blocks - 1) == pytest.approx(len(held))
     assert holders == {r.req_id for r in sched.running}
     assert len(sched.running) <= cfg.max_num_seqs
     for r in sched.running:
         w = worker.reqs[r.req_id]
         for group, (mine, theirs) in enumerate(zip(kv.get_block_ids(r.req_id), w.block_ids)):
-            window = kv.kv_cache_groups.groups[group].sliding_window
+            spec = kv.kv_cache_groups.groups[group]
+            window = spec.sliding_window
             assert len(mine) == len(theirs)
-            assert all(a in (b, 0) for a, b in zip(mine, theirs)) and (window or 0 not in mine)
+            assert all(a in (b, 0) for a, b in zip(mine, theirs))
+            assert (window or spec.recurrent) or 0 not in mine
+            held = sum(1 for a in mine if a)
             if window is not None:
-                held = sum(1 for a in mine if a)
                 assert held <= -(-(window - 1 + cfg.max_num_batched_tokens) // kv.block_size) + 1
+            if spec.recurrent:
+                assert held <= spec.max_state_slots()
         # The worker computes from its own copy of the tokens: it must agree.
         assert w.tokens[: r.num_tokens] == r.all_token_ids, r.req_id
         assert r.num_tokens <= cfg.max_model_len and r.num_output_tokens <= r.max_tokens
     for r in sched.waiting:
         assert r.num_computed_tokens == 0 and r.req_id not in holders
+
+
+def group_spec(group: int, kind: int | str | None, block_size: int) -> KVCacheGroupSpec:
+    """A one-layer group of the kind WINDOWS names."""
+    if isinstance(kind, str):
+        return KVCacheGroupSpec((group,), recurrent=True, state_block_size=int(kind[1:]) * block_size)
+    return KVCacheGroupSpec((group,), kind)
 
 
 def run_stream(data_cfg, op_list, async_scheduling, caching, policy, deterministic=True,
@@ -163,14 +184,25 @@ def run_stream(data_cfg, op_list, async_scheduling, caching, policy, determinist
         policy=policy, enable_chunked_prefill=data_cfg["chunked"],
         async_scheduling=async_scheduling,
     )
-    windows = data_cfg.get("windows", (None,))
-    groups = KVCacheGroups(tuple(KVCacheGroupSpec((g,), w) for g, w in enumerate(windows)),
-                           num_slots=1 if len(windows) > 1 else None)
+    kinds = data_cfg.get("windows", (None,))
+    if not data_cfg["chunked"]:  # kept states need chunked prefill (steps end on boundaries)
+        kinds = tuple("s0" if isinstance(k, str) else k for k in kinds)
+    groups = KVCacheGroups(tuple(group_spec(g, k, bs) for g, k in enumerate(kinds)),
+                           num_slots=1 if len(kinds) > 1 else None)
     num_blocks = groups.min_num_blocks(mml, bs, budget) + data_cfg["extra_pages"]
+    # A state for each running request and each one starting a state block, and as many again
+    # for states kept in the prefix cache (the fewer, the more of them are evicted).
+    num_state_slots = (2 * cfg.max_num_seqs * groups.state_slots_per_request() + 1
+                       if groups.has_recurrent else 0)
     sched = Scheduler(cfg, CacheConfig(block_size=bs, enable_prefix_caching=caching),
-                      num_blocks, eos_token_id=EOS, kv_cache_groups=groups)
+                      num_blocks, eos_token_id=EOS, kv_cache_groups=groups,
+                      num_state_slots=num_state_slots)
+    windows = tuple(g.sliding_window for g in groups.groups)
+    state_blocks = tuple(sched.kv_cache_manager.coordinator.managers[i].block_size
+                         if g.recurrent else None for i, g in enumerate(groups.groups))
     worker = FakeAsyncWorker(num_blocks, bs, vocab_size=VOCAB, eos_token_id=EOS,
-                             eos_prob=EOS_PROB, deterministic=deterministic, windows=windows)
+                             eos_prob=EOS_PROB, deterministic=deterministic, windows=windows,
+                             state_blocks=state_blocks)
     core = EngineCore(sched, worker, batch_queue_size=batch_queue_size)
     specs: list[Spec] = []
     tokens: dict[str, list[int]] = {}
@@ -214,7 +246,9 @@ def run_stream(data_cfg, op_list, async_scheduling, caching, policy, determinist
 
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == num_blocks - 1
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    for pool in kv.coordinator.pools:
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
     assert all(m.req_to_blocks == {} for m in kv.coordinator.managers)
     assert sched.requests == {} and worker.reqs == {}
     assert set(finished) | aborted == {s.req_id for s in specs}

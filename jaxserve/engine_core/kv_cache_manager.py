@@ -15,6 +15,20 @@ request's next token (the null page 0 takes its place), so it holds about window
 pages however long the request grows. With prefix caching the leading full pages may be shared
 with other requests (found by hash at admission); only full pages of real tokens are
 registered, each group's under its own key.
+
+A recurrent group (linear-attention layers: Gated DeltaNet) holds state slots of a pool of
+their own, one table entry per state block (here 32 tokens, 2 pages), shown after a step
+that ended on the boundary at token 64:
+
+    tokens:    [t0 ........ t31][t32 ....... t63][t64 ...
+    recurrent: [     null      ][      21       ][      5         state_block_size 32
+                 the state at     the state at     the next step reads 21, writes 5 (and
+                 32: cached,      64: cached       5 in place until the boundary at 96)
+                 given back
+
+The scheduler ends a step on each boundary it reaches, so the state at the boundary is the
+step's result; it is registered once the next step is scheduled (a request of the same step
+would read it before it is written), and a later request with that prefix starts from it.
 """
 
 from __future__ import annotations

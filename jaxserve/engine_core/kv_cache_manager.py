@@ -190,7 +190,7 @@ class KVCacheManager:
     def chunk_limit(self, num_computed_tokens: int) -> int | None:
         """The most tokens a request at `num_computed_tokens` may compute in one step, so
         that a step reaching a kept state's boundary ends there (None: any)."""
-        return self.coordinator.chunk_limit(num_computed_tokens) if self.enable_caching else None
+        return self.coordinator.chunk_limit(num_computed_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register each group's pages that are full within the request's first

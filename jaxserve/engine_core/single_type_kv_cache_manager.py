@@ -133,7 +133,46 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return found
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
+class PassedBlocksManager(SingleTypeKVCacheManager):
+    """A kind whose leading entries stop being read as the request grows: they go back to the
+    pool (cached ones stay in the prefix cache) and the null block takes their place."""
+
+    def __init__(self, spec: KVCacheGroupSpec, group: int, block_pool: BlockPool,
+                 block_size: int) -> None:
+        super().__init__(spec, group, block_pool, block_size)
+        # Per request: its leading entries given back (the null block in their place).
+        self.num_skipped_block: dict[str, int] = {}
+
+    def num_passed(self, num_computed_tokens: int) -> int:
+        """How many leading entries no step from `num_computed_tokens` on reads."""
+        raise NotImplementedError
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            return
+        skipped = self.num_skipped_block[req_id]
+        n = min(self.num_passed(num_computed_tokens), len(blocks))
+        if n > skipped:
+            passed = [b for b in blocks[skipped:n] if not b.is_null]
+            blocks[skipped:n] = [self.block_pool.null_block] * (n - skipped)
+            self.num_skipped_block[req_id] = n
+            self.num_pages -= self.block_pool.free_blocks(reversed(passed))
+
+    def save_new_computed_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        super().save_new_computed_blocks(req_id, blocks)
+        self.num_skipped_block[req_id] = sum(1 for b in blocks if b.is_null)
+
+    def allocate_new_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
+        super().allocate_new_blocks(req_id, blocks)
+        self.num_skipped_block.setdefault(req_id, 0)
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        self.num_skipped_block.pop(req_id, None)
+
+
+class SlidingWindowManager(PassedBlocksManager):
     """The pages the window of the request's next token reads: about window / block_size
     pages however long the request grows. Pages are added as the tokens reach them (never
     reserved ahead: they would be given back before they are read)."""
@@ -143,8 +182,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         super().__init__(spec, group, block_pool, block_size)
         assert spec.sliding_window is not None
         self.window: int = spec.sliding_window
-        # Per request: its leading pages the window no longer reads (the null page instead).
-        self.num_skipped_block: dict[str, int] = {}
 
     def tokens_to_hold(self, end: int, reserve: int) -> int:
         return end
@@ -168,33 +205,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 return [null] * i + run[::-1][:need]
         return run[::-1]
 
-    def save_new_computed_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
-        super().save_new_computed_blocks(req_id, blocks)
-        self.num_skipped_block[req_id] = sum(1 for b in blocks if b.is_null)
 
-    def allocate_new_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
-        super().allocate_new_blocks(req_id, blocks)
-        self.num_skipped_block.setdefault(req_id, 0)
-
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
-        blocks = self.req_to_blocks.get(req_id)
-        if blocks is None:
-            return
-        skipped = self.num_skipped_block[req_id]
-        first_read = num_computed_tokens - self.window + 1
-        n = min(max(first_read, 0) // self.block_size, len(blocks))
-        if n > skipped:
-            passed = [b for b in blocks[skipped:n] if not b.is_null]
-            blocks[skipped:n] = [self.block_pool.null_block] * (n - skipped)
-            self.num_skipped_block[req_id] = n
-            self.num_pages -= self.block_pool.free_blocks(reversed(passed))
-
-    def free(self, req_id: str) -> None:
-        super().free(req_id)
-        self.num_skipped_block.pop(req_id, None)
+    def num_passed(self, num_computed_tokens: int) -> int:
+        return max(num_computed_tokens - self.window + 1, 0) // self.block_size
 
 
-class RecurrentStateManager(SingleTypeKVCacheManager):
+class RecurrentStateManager(PassedBlocksManager):
     """State slots of linear-attention layers (vLLM's MambaManager, its "align" mode), over
     the state pool. Entry i of a request's table is the state after its first
     (i + 1) * state_block_size tokens; the request reads the entry of its last computed
@@ -211,7 +227,6 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
         # Kept for the prefix cache only: without it, one slot updated in place.
         self.keeps_states = spec.state_block_size > 0 and block_pool.enable_caching
         self.block_size = spec.state_block_size if self.keeps_states else max_model_len
-        self.num_skipped_block: dict[str, int] = {}
         # States a step scheduled so far computes: registered when the next step is scheduled
         # (a request of the same step would read its initial state before this one's write).
         self._pending: list[tuple[str, KVCacheBlock, BlockHash]] = []
@@ -237,27 +252,11 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
                 return [self.block_pool.null_block] * (k - 1) + [state]
         return []
 
-    def save_new_computed_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
-        super().save_new_computed_blocks(req_id, blocks)
-        self.num_skipped_block[req_id] = sum(1 for b in blocks if b.is_null)
 
-    def allocate_new_blocks(self, req_id: str, blocks: list[KVCacheBlock]) -> None:
-        super().allocate_new_blocks(req_id, blocks)
-        self.num_skipped_block.setdefault(req_id, 0)
-
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
-        """Give back the entries before the one the next step reads (the state after the
-        request's last computed token); the cached ones stay in the prefix cache."""
-        blocks = self.req_to_blocks.get(req_id)
-        if blocks is None or num_computed_tokens == 0:
-            return
-        skipped = self.num_skipped_block[req_id]
-        n = min((num_computed_tokens - 1) // self.block_size, len(blocks))
-        if n > skipped:
-            passed = [b for b in blocks[skipped:n] if not b.is_null]
-            blocks[skipped:n] = [self.block_pool.null_block] * (n - skipped)
-            self.num_skipped_block[req_id] = n
-            self.num_pages -= self.block_pool.free_blocks(reversed(passed))
+    def num_passed(self, num_computed_tokens: int) -> int:
+        """The entries before the one the next step reads (the state after the request's last
+        computed token); the cached ones stay in the prefix cache."""
+        return max(num_computed_tokens - 1, 0) // self.block_size
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the states at the boundaries within the request's first `num_tokens`
@@ -282,10 +281,6 @@ class RecurrentStateManager(SingleTypeKVCacheManager):
             if any(b is block for b in self.req_to_blocks.get(req_id, ())):
                 self.block_pool.cache_block(block, page_hash, self.group)
         self._pending.clear()
-
-    def free(self, req_id: str) -> None:
-        super().free(req_id)
-        self.num_skipped_block.pop(req_id, None)
 
 
 def make_manager(spec: KVCacheGroupSpec, group: int, block_pool: BlockPool, block_size: int,

@@ -15,11 +15,11 @@ import pytest
 
 from tests.models.tiny import save_tiny_hf
 
-from .server_utils import RemoteServer
+from .server_utils import EAGER, RemoteServer
 
 # float32 weights everywhere (a CPU with bf16 units would otherwise get bf16 ones).
 TINY_ARGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-             "--block-size", "8", "--kv-cache-memory-bytes", str(8 << 20)]
+             "--block-size", "8", "--kv-cache-memory-bytes", str(8 << 20), *EAGER]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"],
             "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}

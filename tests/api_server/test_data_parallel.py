@@ -49,6 +49,6 @@ def test_dp2_balances_and_matches_single_engine() -> None:
                     ' 0.0') in metrics
             assert f'vllm:generation_tokens_total{{engine="{engine}"' in metrics
 
-    llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
     ref = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert texts == [o.outputs[0].text for o in ref]

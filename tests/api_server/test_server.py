@@ -69,7 +69,7 @@ def test_greedy_text_equals_llm_generate(server: RemoteServer, client: openai.Op
     served = client.completions.create(model=MODEL, prompt=PROMPTS, extra_body={"ignore_eos": True},
                                        **greedy)
     chat = client.chat.completions.create(model=MODEL, messages=HI, **greedy)
-    llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
     offline = llm.generate(PROMPTS, SamplingParams(ignore_eos=True, **greedy), use_tqdm=False)
     offline_chat = llm.chat(HI, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
     del llm

@@ -15,10 +15,10 @@ import pytest
 from tests.models.test_gemma import hf_greedy, tiny_gemma
 from tests.models.tiny import save_tiny_hf
 
-from .server_utils import RemoteServer
+from .server_utils import EAGER, RemoteServer
 
 TINY_ARGS = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-             "--block-size", "8", "--kv-cache-memory-bytes", str(8 << 20)]
+             "--block-size", "8", "--kv-cache-memory-bytes", str(8 << 20), *EAGER]
 
 # Gemma's own template (Gemma 2's, which Gemma 3's keeps for text): <bos>, turns marked with
 # <start_of_turn>role\n ... <end_of_turn>\n, "model" for the assistant, no system role.

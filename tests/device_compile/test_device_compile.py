@@ -154,19 +154,31 @@ def test_sliding_window_model_compiles(target: str, sliding_window_model: str) -
     _assert_clean(report)
 
 
-@pytest.fixture(scope="module")
-def llama3_8b(tmp_path_factory) -> str:
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+    max_position_embeddings=8192, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def _save_llama(path: str, **overrides) -> str:
     import transformers
 
-    path = str(tmp_path_factory.mktemp("llama3-8b"))
-    transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
-        max_position_embeddings=8192, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ).save_pretrained(path)
+    transformers.LlamaConfig(**{**LLAMA3_8B, **overrides}).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory) -> str:
+    return _save_llama(str(tmp_path_factory.mktemp("llama3-8b")))
+
+
+@pytest.fixture(scope="module")
+def llama3_8b_8_layers(tmp_path_factory) -> str:
+    """Llama-3-8B's shapes with a quarter of its layers: every layer is the same program, and the
+    roofline's unrolled copy compiles in about a quarter of the time (CI's time)."""
+    return _save_llama(str(tmp_path_factory.mktemp("llama3-8b-8-layers")), num_hidden_layers=8)
 
 
 def test_llama3_8b_on_one_v5e_is_refused_before_compiling(llama3_8b: str) -> None:
@@ -233,17 +245,18 @@ def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bi
 
 
 @pytest.mark.parametrize("target", ["v6e:1x1", "tpu7x:1x1"])
-def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> None:
-    """Issue 45's bound at 8B shapes, decode batch 16 at 1k: the compiled step (an unrolled
-    copy of the forward, the kernel's plan, the greedy sampler) reads at most 1.25x the ideal
-    bytes, and the scanned forward's temp is at most 2% of the weights (tpu7x once copied the
-    whole layer stack each step). Only the programs those take are compiled (CI's time)."""
+def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b_8_layers: str) -> None:
+    """Issue 45's bound at 8B shapes (8 of the 32 layers), decode batch 16 at 1k: the compiled
+    step (an unrolled copy of the forward, the kernel's plan, the greedy sampler) reads at most
+    1.25x the ideal bytes, and the scanned forward's temp is at most 2% of the weights (tpu7x
+    once copied the whole layer stack each step: 3.4 GiB at 8 layers). Only the programs those
+    take are compiled (CI's time)."""
     from jaxserve.preflight import make_parser, run_preflight, validate
     from jaxserve.worker.programs import ProgramKind, SamplerKey
     from jaxserve.worker.sampler import SamplerMode
 
     args = make_parser().parse_args([
-        "--model", llama3_8b, "--target", target, "--max-num-seqs", "16",
+        "--model", llama3_8b_8_layers, "--target", target, "--max-num-seqs", "16",
         "--max-num-batched-tokens", "16", "--max-model-len", "1024",
         "--num-gpu-blocks-override", "1024"])
     targets, config, files, _ = validate(args)
@@ -258,9 +271,9 @@ def test_llama3_8b_decode_reads_near_the_ideal(target: str, llama3_8b: str) -> N
     print(f"{target} 8B decode 16 x 1k: compiled / ideal bytes "
           f"{row.compiled_bytes / row.ideal_bytes:.3f}, forward temp "
           f"{row.temp_bytes / 2**20:.1f} MiB, sampler share {row.sampler_share:.2%}")
-    assert row.compiled_bytes / row.ideal_bytes <= 1.25  # today 1.03 on both
-    assert row.temp_bytes <= 0.02 * report.memory.weight_bytes  # today 1.2 / 65.4 MiB of 15 GiB
-    assert row.sampler_share <= 0.05  # today 0.8%
+    assert row.compiled_bytes / row.ideal_bytes <= 1.25  # today 1.04 on both (1.03 at 32 layers)
+    assert row.temp_bytes <= 0.02 * report.memory.weight_bytes  # today 1.2 / 65.4 MiB of 5.2 GiB
+    assert row.sampler_share <= 0.05  # today 2.8% (0.8% at 32 layers: the sampler is per step)
 
 
 def test_attention_kernels_compile_per_generation() -> None:

@@ -23,7 +23,7 @@ PROMPTS = [
 ]
 # 64-token steps: the long prompt (~80 tokens) is split over steps (chunked prefill).
 ENGINE = dict(max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=256 << 20,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")

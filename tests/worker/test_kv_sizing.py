@@ -110,7 +110,7 @@ def test_dummy_weights_serve_from_a_config_json_alone(tmp_path) -> None:
                              max_position_embeddings=256).save_pretrained(tmp_path)
     load_tokenizer(None).save_pretrained(tmp_path)  # the default model's (49,152 tokens)
     llm = LLM(str(tmp_path), load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32,
-              max_model_len=128)
+              max_model_len=128, enforce_eager=True)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                        SamplingParams(max_tokens=5, temperature=1.0, seed=1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5

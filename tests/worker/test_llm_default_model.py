@@ -112,11 +112,11 @@ def test_nothing_compiles_after_warm_up(llm: LLM) -> None:
 
 def test_chunked_prefill_preemption_and_prefix_caching_keep_greedy_outputs(reference) -> None:
     # Chunked prefill (32-token steps) and prefix caching off.
-    llm = LLM(**{**COMMON, "max_num_batched_tokens": 32}, enable_prefix_caching=False)
+    llm = LLM(**{**COMMON, "max_num_batched_tokens": 32}, enable_prefix_caching=False, enforce_eager=True)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
     del llm
     # Too few pages for 16 sequences at once: requests get preempted and recomputed.
-    llm = LLM(**{**COMMON, "kv_cache_memory_bytes": None}, num_gpu_blocks_override=40)
+    llm = LLM(**{**COMMON, "kv_cache_memory_bytes": None}, num_gpu_blocks_override=40, enforce_eager=True)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outs) == reference
     assert llm.engine_core.get_stats().num_preemptions > 0 or any(
@@ -184,7 +184,7 @@ def test_prompt_logprobs_equal_transformers(hf_default_model) -> None:
     must not read the prefix cache (every position is recomputed), and equal the first."""
     import torch
 
-    llm = LLM(None, **{**COMMON, "max_num_batched_tokens": 32})
+    llm = LLM(None, **{**COMMON, "max_num_batched_tokens": 32}, enforce_eager=True)
     prompt = " ".join(PROMPTS[6:9])
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))

@@ -124,6 +124,10 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
 def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: ParallelConfig) -> None:
     """Flags this checkpoint contradicts, refused here (ValueError naming the flags) rather than
     once its weights are loaded or its programs traced, where the same checks also stand."""
+    if arch.linear_attention is not None:
+        raise ValueError(
+            f"{arch.architecture}: its decoder runs (jaxserve/models/qwen3_next.py) but the engine "
+            "does not serve Gated DeltaNet hybrids yet: the worker has no pool of recurrent states")
     split_layers(arch.num_hidden_layers, pc.pipeline_parallel_size)
     if arch.num_experts:
         check_experts(weight_format)

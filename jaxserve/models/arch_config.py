@@ -77,6 +77,44 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shapes (Qwen3.5, Qwen3-Next: config.json's `linear_*`); the
+    layers it applies to are `ArchConfig.layer_types`' "linear_attention" ones."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple "
+                             f"of linear_num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim ({self.conv_kernel}) must be at least 2")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, conv_itemsize: int) -> int:
+        """One sequence's states in one layer: the convolution's last kernel - 1 inputs (the
+        model's dtype) and the delta rule's S per value head (float32)."""
+        return ((self.conv_kernel - 1) * self.conv_dim * conv_itemsize
+                + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4)
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     architecture: str
     vocab_size: int
@@ -126,6 +164,12 @@ class ArchConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next: models/qwen3_next.py): the linear layers'
+    # shapes; the full-attention layers' q_proj also yields a gate per head
+    # (out * sigmoid(gate) before o_proj); every RMSNorm scales by 1 + w (`norm_offset`).
+    linear_attention: LinearAttention | None = None
+    attn_output_gate: bool = False
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -158,9 +202,22 @@ class ArchConfig:
     @property
     def local_layers(self) -> tuple[bool, ...] | None:
         """Which layers attend over the sliding window only, when layers differ (else None)."""
-        if self.layer_types is None or len(set(self.layer_types)) < 2:
+        if self.layer_types is None or "sliding_attention" not in self.layer_types \
+                or len(set(self.layer_types)) < 2:
             return None
         return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache (all but the linear-attention ones)."""
+        types = self.layer_types or ()
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if not types or types[i] != "linear_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers (a recurrent state each, no KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types or ()) if t == "linear_attention")
 
     def layer_range(self, lo: int, hi: int) -> ArchConfig:
         """This architecture's layers lo..hi-1 (a pipeline stage)."""
@@ -191,8 +248,8 @@ class ArchConfig:
         return self.num_key_value_heads * self.head_dim
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes one token's keys and values take in the cache, all layers."""
-        return 2 * self.num_hidden_layers * self.kv_size * itemsize
+        """Bytes one token's keys and values take in the cache, all attention layers."""
+        return 2 * len(self.attention_layers) * self.kv_size * itemsize
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -216,6 +273,7 @@ class ArchConfig:
         moe = _moe_fields(spec.experts, cfg)
         gemma = _gemma_fields(arch, spec.gemma, cfg)
         gpt_oss = _gpt_oss_fields(arch, spec.experts, cfg)
+        hybrid = _linear_attention_fields(arch, spec.linear_attention, cfg)
         if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
             # Qwen's window applies to some layers only (max_window_layers): not implemented.
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -243,7 +301,7 @@ class ArchConfig:
             sliding_window=int(window) if window else None,
             partial_rotary_factor=float((rope or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            **moe, **gemma, **gpt_oss,
+            **moe, **gemma, **gpt_oss, **hybrid,
         )
 
 
@@ -287,6 +345,39 @@ def _layer_types(arch: str, cfg: dict[str, Any], every: int) -> tuple[str, ...]:
         raise ValueError(f"{arch}: config.json layer_types has sliding_attention layers but "
                          f"sliding_window is {window!r} (a positive number of tokens expected)")
     return tuple(types)
+
+
+def _linear_attention_fields(arch: str, hybrid: bool, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gated DeltaNet hybrid's fields of ArchConfig ({} for the others): `layer_types` of
+    "linear_attention" and "full_attention" (without one, every `full_attention_interval`-th
+    layer full, as transformers' configs), checked (ValueError naming the field)."""
+    if not hybrid:
+        return {}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    kinds = ("linear_attention", "full_attention")
+    if (not isinstance(types, (list, tuple)) or len(types) != n
+            or any(t not in kinds for t in types)):
+        raise ValueError(f"{arch}: config.json layer_types must list {n} layers "
+                         f"(num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
+    missing = [k for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                           "linear_value_head_dim", "linear_conv_kernel_dim") if k not in cfg]
+    if missing:
+        raise ValueError(f"{arch}: config.json lacks {', '.join(missing)}")
+    if cfg.get("num_experts"):
+        raise ValueError(f"{arch}: the mixture-of-experts variant (num_experts "
+                         f"{cfg['num_experts']}) is not supported yet; its dense form is")
+    linear = LinearAttention(
+        num_key_heads=int(cfg["linear_num_key_heads"]),
+        num_value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    return dict(layer_types=tuple(types), linear_attention=linear, attn_output_gate=True,
+                norm_offset=1.0)
 
 
 def _gpt_oss_fields(arch: str, experts: str | None, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -187,14 +187,17 @@ class Attention(nn.Module):
         slot, md = group_view(opts.kv_cache_groups, kv_id, md)
         sinks = (self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), opts.dtype)
                  if cfg.attention_sinks else None)
-        q = dense(cfg.q_size, cfg.attention_bias, "q_proj")(x, layer_idx)
+        gated = cfg.attn_output_gate  # q_proj gives each head its query and its output's gate
+        q = dense(cfg.q_size * (2 if gated else 1), cfg.attention_bias, "q_proj")(x, layer_idx)
         k = dense(cfg.kv_size, cfg.attention_bias, "k_proj")(x, layer_idx)
         v = dense(cfg.kv_size, cfg.attention_bias, "v_proj")(x, layer_idx)
-        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+        q = q.reshape(T, cfg.num_attention_heads, -1)
+        gate = q[..., cfg.head_dim:].reshape(T, cfg.q_size) if gated else None
+        q = q[..., :cfg.head_dim]
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
-            offset = 1.0 if cfg.gemma else 0.0
+            offset = 1.0 if cfg.gemma else cfg.norm_offset
             q = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, opts.dtype, offset, name="k_norm")(k)
 
@@ -247,6 +250,8 @@ class Attention(nn.Module):
                 return attention(is_local, write=False)(q, k, v, kv_cache, slot, step_md)[0]
 
             out = jax.lax.cond(layer_is_local, lambda: read(True), lambda: read(False))
-        out = dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj")(out.reshape(T, cfg.q_size),
-                                                                 layer_idx)
+        out = out.reshape(T, cfg.q_size)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        out = dense(cfg.hidden_size, cfg.o_proj_bias, "o_proj")(out, layer_idx)
         return out, kv_cache

@@ -20,6 +20,19 @@ import jax
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class StateMetadata:
+    """What a linear-attention layer of one step reads (kernels_pallas/gated_delta_rule's
+    ragged contract): per sequence, the state slot it starts from, the slot it leaves its
+    state in (another one when the prefix cache keeps the state it started from), and whether
+    it has a state yet (False for a prompt's first step: it starts from zeros)."""
+
+    read_slots: jax.Array  # int32[S]
+    write_slots: jax.Array  # int32[S]
+    has_initial_state: jax.Array  # bool[S]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: jax.Array  # int32[T]
     kv_lens: jax.Array  # int32[S]
@@ -29,3 +42,4 @@ class AttentionMetadata:
     # The attention variant's work plan for this step (kernels_pallas.attention_plan), built
     # once before the layers and shared by all of them; None for variants without one.
     plan: Any = None
+    state: StateMetadata | None = None  # a model with linear-attention layers only

@@ -127,7 +127,9 @@ def abstract_params(model: LlamaForCausalLM) -> Any:
         return module.compute_logits(module(ids, pos, cache, md)[0])
 
     def init(key: jax.Array, ids: jax.Array, pos: jax.Array, cache: Any, *md: jax.Array) -> Any:
-        return plain.init(key, ids, pos, cache, AttentionMetadata(*md), method=init_all)
+        slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs = md
+        return plain.init(key, ids, pos, cache, AttentionMetadata(
+            slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs), method=init_all)
 
     # The metadata's arrays: slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs.
     md_shapes = (i32(G, 16), i32(4), i32(G, 4, 8), i32(5), i32(1))

@@ -21,9 +21,10 @@ u = (I + strictly_lower(diag(beta) K K^T * D))^-1 diag(beta) (V - exp(G) * K S0)
 which is the recurrence above, exactly, with matrix products in place of C steps.
 
 Ragged batches (`ragged_*`) follow ragged paged attention's contract: sequences side by side,
-delimited by `cu_q_lens`, the first `num_seqs` real; sequence s reads and writes its states in
-slot `state_slots[s]`, starting from zeros unless `has_initial_state[s]` (its earlier tokens
-were computed: a later chunk of its prompt, or a decode).
+delimited by `cu_q_lens`, the first `num_seqs` real; sequence s reads its states from slot
+`state_slots[s]`, starting from zeros unless `has_initial_state[s]` (its earlier tokens were
+computed: a later chunk of its prompt, or a decode), and writes them to `write_slots[s]`
+(the same slot unless given: the prefix cache keeps the state a step started from).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def _store(states: jax.Array, state_slots: jax.Array, num_seqs: jax.Array, new: 
 def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                             beta: jax.Array, states: jax.Array, state_slots: jax.Array,
                             cu_q_lens: jax.Array, num_seqs: jax.Array,
-                            has_initial_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+                            has_initial_state: jax.Array, write_slots: jax.Array | None = None
+                            ) -> tuple[jax.Array, jax.Array]:
     """A mixed batch, token by token: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv];
     states [num_slots, Hv, dk, dv]; state_slots, has_initial_state [max_num_seqs];
     cu_q_lens [max_num_seqs + 1]; num_seqs a scalar. Returns (o [T, Hv, dv] float32, zeros
@@ -189,12 +191,13 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 
     carry, o = jax.lax.scan(body, carry, (seq, real, q, k, v.astype(f32), g.astype(f32),
                                           beta.astype(f32)))
-    return o, _store(states, state_slots, num_seqs, carry)
+    return o, _store(states, state_slots if write_slots is None else write_slots, num_seqs, carry)
 
 
 def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array,
                          state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                         has_initial_state: jax.Array) -> tuple[jax.Array, jax.Array]:
+                         has_initial_state: jax.Array, write_slots: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
     """`causal_conv1d` over a mixed batch: x [T, C]; conv_states [num_slots, K-1, C]. Returns
     (y [T, C], zeros on padding rows; conv_states with each real sequence's slot holding the
     K-1 inputs that end it)."""
@@ -220,4 +223,5 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array
     from_state = jnp.take_along_axis(start, jnp.clip(width - 1 + idx, 0, width - 2)[..., None],
                                      axis=1)
     last = jnp.where((idx >= 0)[..., None], from_x, from_state)
-    return y, _store(conv_states, state_slots, num_seqs, last)
+    return y, _store(conv_states, state_slots if write_slots is None else write_slots, num_seqs,
+                     last)

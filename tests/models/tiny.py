@@ -61,6 +61,17 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
         cfg_kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, **cfg_kwargs}
         cfg = transformers.MixtralConfig(**cfg_kwargs)
         model = transformers.MixtralForCausalLM(cfg)
+    elif kind in ("qwen3_5", "qwen3_next"):  # Gated DeltaNet hybrids: 3 linear layers, 1 full
+        cfg_kwargs = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                      "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                      "linear_conv_kernel_dim": 4, **cfg_kwargs,
+                      "num_hidden_layers": overrides.get("num_hidden_layers", 4)}
+        if kind == "qwen3_5":
+            cfg = transformers.Qwen3_5TextConfig(**cfg_kwargs)
+            model = transformers.Qwen3_5ForCausalLM(cfg)
+        else:  # its dense form: no experts
+            cfg = transformers.Qwen3NextConfig(num_experts=0, **cfg_kwargs)
+            model = transformers.Qwen3NextForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # Random init leaves norms at 1 and biases at 0; perturb them so a mix-up shows.

@@ -124,7 +124,7 @@ def _expert_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         stacked = np.empty((len(layers), E, shape[1], shape[0]), dtype)
         for j, row in enumerate(hf):
             for e, n in enumerate(row):
-                stacked[j, e] = _fetch(get, n, shape, source).T
+                stacked[j, e] = fetch(get, n, shape, source).T
         out[name] = stacked
     return out
 
@@ -159,7 +159,7 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         """[E, n_in, n_out] float, or with `mxfp4` (values [E, n_out, n_in], scales)."""
         q = quantized(prefix, n_in, n_out)
         if q is None:
-            return _fetch(get, prefix, (E, n_in, n_out), source)
+            return fetch(get, prefix, (E, n_in, n_out), source)
         if fmt is WeightFormat.CHECKPOINT_MXFP4_PACKED:
             check_mxfp4(*q, prefix, (E, n_out, n_in))
             return q[0].reshape(E, n_out, n_in // 2), q[1]
@@ -190,10 +190,10 @@ def _gpt_oss_experts(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str,
         put("w_gate", i, rows(gate_up, slice(0, None, 2)))
         put("w_up", i, rows(gate_up, slice(1, None, 2)))
         put("w_down", i, matrix(f"{p}.down_proj", I, H))
-        bias = _fetch(get, f"{p}.gate_up_proj_bias", (E, 2 * I), source)
+        bias = fetch(get, f"{p}.gate_up_proj_bias", (E, 2 * I), source)
         put("b_gate", i, bias[:, 0::2])
         put("b_up", i, bias[:, 1::2])
-        put("b_down", i, _fetch(get, f"{p}.down_proj_bias", (E, H), source))
+        put("b_down", i, fetch(get, f"{p}.down_proj_bias", (E, H), source))
     return out
 
 
@@ -246,7 +246,8 @@ def _split_fused(cfg: ArchConfig, get: GetTensor) -> GetTensor:
     return fused_get
 
 
-def _fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+def fetch(get: GetTensor, name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+    """Tensor `name`, checked present, of `shape` and float (WeightLoadError naming it)."""
     t = get(name)
     if t is None:
         raise WeightLoadError(f"{source}: tensor {name!r} is missing")
@@ -265,7 +266,7 @@ def _fetch_quantized(get: GetTensor, name: str, shape: tuple[int, int], source: 
     so only this tensor is ever float."""
     from jaxserve.models.quantization import quantize_weight
 
-    return quantize_weight(_fetch(get, name, shape, source), fmt, in_axis=-1)
+    return quantize_weight(fetch(get, name, shape, source), fmt, in_axis=-1)
 
 
 def build_params(
@@ -285,6 +286,12 @@ def build_params(
     multi-host `device_put` accepts only exact host array types.
     """
     dtype = np.dtype(dtype)
+    if cfg.linear_attention is not None:  # a Gated DeltaNet hybrid: a layer tree of its own
+        from jaxserve.models.loaders.qwen3_next_weights import build_hybrid_params
+
+        if weight_format is not WeightFormat.FLOAT or stored is not None:
+            raise ValueError(f"{source}: {cfg.architecture} is read as float weights only so far")
+        return build_hybrid_params(cfg, get, dtype, source)
     raw_get, get = get, _split_fused(cfg, get)
     read_stored: Callable[[str, tuple[int, int]], dict[str, np.ndarray]] | None = None
     if weight_format.from_checkpoint:
@@ -320,7 +327,7 @@ def build_params(
         out_shape = shape[::-1] if transpose else shape
         stacked = np.empty((len(rows), *out_shape), dtype)
         for j, i in enumerate(rows):
-            t = _fetch(get, f"model.layers.{i}.{suffix}", shape, source)
+            t = fetch(get, f"model.layers.{i}.{suffix}", shape, source)
             stacked[j] = t.T if transpose else t
         node[path[-1]] = stacked
     if cfg.num_experts:
@@ -340,15 +347,15 @@ def build_params(
     if weight_format.quantized:
         embed = _fetch_quantized(get, "model.embed_tokens.weight", (V, H), source, weight_format)
     else:
-        embed = {"embedding": np.asarray(_fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
+        embed = {"embedding": np.asarray(fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
     params: dict[str, Any] = {
         "embed_tokens": embed,
         "layers": layers,
-        "norm": {"scale": np.asarray(_fetch(get, "model.norm.weight", (H,), source), dtype)},
+        "norm": {"scale": np.asarray(fetch(get, "model.norm.weight", (H,), source), dtype)},
     }
     if not cfg.tie_word_embeddings and weight_format.quantized:
         params["lm_head"] = _fetch_quantized(get, "lm_head.weight", (V, H), source, weight_format)
     elif not cfg.tie_word_embeddings:
-        head = _fetch(get, "lm_head.weight", (V, H), source)
+        head = fetch(get, "lm_head.weight", (V, H), source)
         params["lm_head"] = {"kernel": np.ascontiguousarray(head.T, dtype)}
     return {"params": params}

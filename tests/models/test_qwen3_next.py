@@ -1,0 +1,168 @@
+"""The Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next's dense form) against transformers, float32,
+on tiny random checkpoints: every position's logits over a whole prompt, the same prompt in
+several steps carrying its states through slots (a prefix-cache hit's read slot apart from its
+write slot too), two sequences side by side, and the start-up errors for a bad config or
+checkpoint. Through the engine they are refused for now (no state pool in the worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.arch_config import ArchConfig
+from jaxserve.models.attention import ModelOptions
+from jaxserve.models.attention_metadata import AttentionMetadata, StateMetadata
+from jaxserve.models.loaders import load_checkpoint
+from jaxserve.models.loaders.weights import WeightLoadError
+from jaxserve.models.qwen3_next import HybridCache, Qwen3NextForCausalLM, hybrid_kv_cache_groups
+from tests.models.tiny import hf_logits, save_tiny_hf
+
+PAGE = 4
+PROMPT = [(7 * i) % 120 + 3 for i in range(37)]  # 10 pages; chunks of the delta rule's 64 span it
+SECOND = [(11 * i) % 97 + 5 for i in range(13)]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def hybrid(request, tmp_path_factory) -> tuple[str, ArchConfig, Qwen3NextForCausalLM, dict]:
+    path = save_tiny_hf(request.param, str(tmp_path_factory.mktemp("hybrid")),
+                        initializer_range=0.2, tie_word_embeddings=False)
+    arch, params = load_checkpoint(path, np.float32)
+    model = Qwen3NextForCausalLM(arch, ModelOptions(kv_cache_groups=hybrid_kv_cache_groups(arch)))
+    return path, arch, model, jax.tree.map(jnp.asarray, params)
+
+
+class Steps:
+    """Runs steps of a ragged batch through the hybrid decoder over one cache: each sequence
+    its own pages (sequence s: pages 1 + s * 16 ...) and the state slots a step names."""
+
+    def __init__(self, model: Qwen3NextForCausalLM, params: dict, num_seqs: int,
+                 num_state_slots: int = 8) -> None:
+        self.model, self.params, self.max_seqs = model, params, num_seqs
+        spec = model.kv_cache(1 + 16 * num_seqs, PAGE, num_state_slots)
+        self.cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+        self.run = jax.jit(self._run)
+
+    def _run(self, params: dict, ids: jax.Array, pos: jax.Array, cache: HybridCache,
+             md: AttentionMetadata) -> tuple[jax.Array, HybridCache]:
+        h, cache = self.model.apply(params, ids, pos, cache, md)
+        return self.model.apply(params, h, method=Qwen3NextForCausalLM.compute_logits), cache
+
+    def step(self, chunks: list[tuple[list[int], int, int, int]]) -> list[np.ndarray]:
+        """`chunks`: per sequence (its tokens this step, tokens computed before, read slot,
+        write slot). Returns each sequence's logits for its tokens."""
+        ids, pos, slots, cu, kv_lens = [], [], [], [0], []
+        pages = np.zeros((2, self.max_seqs, 16), np.int32)
+        for s, (tokens, start, _, _) in enumerate(chunks):
+            pages[0, s] = 1 + 16 * s + np.arange(16)
+            p = np.arange(start, start + len(tokens))
+            ids += tokens
+            pos += p.tolist()
+            slots += (pages[0, s, p // PAGE] * PAGE + p % PAGE).tolist()
+            cu.append(cu[-1] + len(tokens))
+            kv_lens.append(start + len(tokens))
+        n = len(chunks)
+        pad = lambda x, k, v=0: x + [v] * (k - len(x))  # noqa: E731
+        state = StateMetadata(
+            read_slots=jnp.asarray(pad([c[2] for c in chunks], self.max_seqs), jnp.int32),
+            write_slots=jnp.asarray(pad([c[3] for c in chunks], self.max_seqs), jnp.int32),
+            has_initial_state=jnp.asarray(pad([c[1] > 0 for c in chunks], self.max_seqs, False)))
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(np.stack([slots, np.zeros(len(slots), int)]), jnp.int32),
+            kv_lens=jnp.asarray(pad(kv_lens, self.max_seqs), jnp.int32),
+            page_indices=jnp.asarray(pages),
+            cu_q_lens=jnp.asarray(pad(cu, self.max_seqs + 1, cu[-1]), jnp.int32),
+            num_seqs=jnp.asarray([n], jnp.int32), state=state)
+        logits, self.cache = self.run(self.params, jnp.asarray(ids, jnp.int32),
+                                      jnp.asarray(pos, jnp.int32), self.cache, md)
+        logits = np.asarray(logits)
+        return [logits[cu[s]:cu[s + 1]] for s in range(n)]
+
+
+def test_whole_prompt_logits_equal_transformers(hybrid) -> None:
+    path, arch, model, params = hybrid
+    assert arch.linear_layers == (0, 1, 2) and arch.attention_layers == (3,)
+    want = hf_logits(path, PROMPT)
+    got = Steps(model, params, 1).step([(PROMPT, 0, 1, 1)])[0]
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+
+
+def test_a_prompt_in_steps_and_a_state_kept_for_a_prefix_hit(hybrid) -> None:
+    """Chunks of 12, 12 and 13 tokens then a decode step carry the states through slot 1;
+    a second sequence starting from a copy of the state after 24 tokens (read slot 2, written
+    to slot 3, as a prefix hit) computes the same last 13 tokens, beside it in one step."""
+    path, arch, model, params = hybrid
+    want = hf_logits(path, PROMPT + [5])
+    run = Steps(model, params, 2)
+    out = [run.step([(PROMPT[:12], 0, 1, 1)])[0], run.step([(PROMPT[12:24], 12, 1, 1)])[0]]
+    # Keep the state after 24 tokens: a copy in slot 2 (what a stored boundary holds).
+    run.cache = HybridCache(run.cache.kv, run.cache.conv.at[:, 2].set(run.cache.conv[:, 1]),
+                            run.cache.ssm.at[:, 2].set(run.cache.ssm[:, 1]))
+    # The second sequence reuses the first's pages for its prefix: same page table, same KV.
+    run.cache = HybridCache(run.cache.kv.at[:, 17:17 + 6].set(run.cache.kv[:, 1:7]),
+                            run.cache.conv, run.cache.ssm)
+    first, second = run.step([(PROMPT[24:], 24, 1, 1), (PROMPT[24:], 24, 2, 3)])
+    out += [first, run.step([([5], 37, 1, 1)])[0]]
+    np.testing.assert_allclose(np.concatenate(out), want, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(second, first, atol=1e-5, rtol=0)
+    # The kept state was read, not written: slot 2 still holds the state after 24 tokens.
+    assert not np.allclose(np.asarray(run.cache.ssm[:, 2]), np.asarray(run.cache.ssm[:, 3]))
+
+
+def test_two_sequences_side_by_side_equal_each_alone(hybrid) -> None:
+    path, arch, model, params = hybrid
+    alone = [Steps(model, params, 1).step([(p, 0, 1, 1)])[0] for p in (PROMPT, SECOND)]
+    both = Steps(model, params, 2).step([(PROMPT, 0, 1, 1), (SECOND, 0, 2, 2)])
+    for a, b in zip(alone, both):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+def _edit_config(path: str, **changes) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"layer_types": ["linear_attention"] * 3}, r"layer_types must list 4 layers"),
+    ({"layer_types": ["linear_attention", "mamba", "linear_attention", "full_attention"]},
+     r"each one of linear_attention, full_attention"),
+    ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple of "
+                                    r"linear_num_key_heads \(2\)"),
+])
+def test_a_bad_config_is_refused_naming_the_field(tmp_path, changes: dict, match: str) -> None:
+    path = save_tiny_hf("qwen3_5", str(tmp_path))
+    _edit_config(path, **changes)
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(path, np.float32)
+
+
+def test_a_missing_or_misshapen_tensor_is_refused_naming_it(tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = save_tiny_hf("qwen3_5", str(tmp_path))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.linear_attn.in_proj_z.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, file)
+    with pytest.raises(WeightLoadError, match=f"tensor '{name}' is missing"):
+        load_checkpoint(path, np.float32)
+    save_file({**tensors, name: tensors[name][:-1]}, file)
+    with pytest.raises(WeightLoadError, match=f"tensor '{name}' has shape \\(31, 64\\), "
+                                              r"expected \(32, 64\)"):
+        load_checkpoint(path, np.float32)
+
+
+def test_the_engine_refuses_them_until_its_worker_holds_states(hybrid) -> None:
+    from jaxserve.engine.arg_utils import EngineArgs
+    from jaxserve.engine.resolve import resolve_engine_config
+
+    path = hybrid[0]
+    with pytest.raises(ValueError, match="does not serve Gated DeltaNet hybrids yet"):
+        resolve_engine_config(EngineArgs(model=path).create_engine_config())

@@ -79,6 +79,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+MAMBA_CACHE_MODES = ("none", "align", "all")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. The number of pages is *not* here: the worker computes it
@@ -93,8 +96,18 @@ class CacheConfig:
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3") / "fp8_e5m2": one byte per value,
     # scaled by the kernels' k_scale / v_scale (1.0, vLLM's default without calibration).
     cache_dtype: str = "auto"
+    # Linear-attention layers' states (vLLM's names): "align" keeps a request's state every
+    # `mamba_block_size` tokens for the prefix cache, "none" only its running one. None: align
+    # with prefix caching on, else none (engine/resolve.py).
+    mamba_cache_mode: str | None = None
+    mamba_block_size: int | None = None  # None: MAMBA_BLOCK_SIZE (engine/resolve.py)
 
     def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in (None, *MAMBA_CACHE_MODES):
+            raise ValueError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
+                             f"got {self.mamba_cache_mode!r}")
+        if self.mamba_block_size is not None and self.mamba_block_size < 1:
+            raise ValueError(f"mamba_block_size must be > 0, got {self.mamba_block_size}")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}"

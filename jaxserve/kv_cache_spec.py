@@ -100,6 +100,31 @@ class KVCacheGroups:
                        for k, ls in zip(kinds, by_kind) for i in range(0, len(ls), size))
         return cls(groups, size)
 
+    @classmethod
+    def for_linear_hybrid(cls, attention_layers: Sequence[int], linear_layers: Sequence[int],
+                          state_block_size: int) -> KVCacheGroups:
+        """A Gated DeltaNet hybrid's groups: one full-attention group of its attention layers
+        (slot i: the i-th) and one recurrent group of its linear layers (slot i: the i-th, its
+        index in the state arrays), keeping states every `state_block_size` tokens (0: none)."""
+        return cls((KVCacheGroupSpec(tuple(attention_layers)),
+                    KVCacheGroupSpec(tuple(linear_layers), recurrent=True,
+                                     state_block_size=state_block_size)),
+                   num_slots=len(attention_layers))
+
+    def recurrent_group(self) -> int | None:
+        """The recurrent group's index (None: the model has none)."""
+        return next((g for g, spec in enumerate(self.groups) if spec.recurrent), None)
+
+    def num_state_slots(self, max_num_seqs: int) -> int:
+        """The state pool's slots (0: no recurrent group): the null slot, each running request's
+        at most, and as many again for the states kept for the prefix cache when states are
+        kept (the pool's LRU evicts the oldest kept state first)."""
+        per_request = self.state_slots_per_request()
+        if not per_request:
+            return 0
+        keeps = any(g.recurrent and g.state_block_size for g in self.groups)
+        return 1 + max_num_seqs * per_request * (2 if keeps else 1)
+
     @property
     def hybrid(self) -> bool:
         return self.num_slots is not None

@@ -21,6 +21,7 @@ from jaxserve.config import (
     CPU_PACKED_WEIGHTS_ENV,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    MAMBA_CACHE_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -151,6 +152,14 @@ class EngineArgs:
         "cache", "KV-cache pages, overriding the memory budget", type=int))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=cli_arg(
         "cache", "reuse KV pages of shared prompt prefixes", action=BOOL))
+    mamba_cache_mode: str | None = field(default=None, metadata=cli_arg(
+        "cache", "linear-attention (Gated DeltaNet) states: align keeps each request's state "
+        "every --mamba-block-size tokens for the prefix cache, none only its running one "
+        "(default: align with prefix caching, else none; all is not supported)",
+        choices=list(MAMBA_CACHE_MODES)))
+    mamba_block_size: int | None = field(default=None, metadata=cli_arg(
+        "cache", "tokens between the linear-attention states align keeps, a multiple of "
+        "--block-size (default 256)", type=int))
     # scheduler
     max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=cli_arg(
         "scheduler", "most requests in the running batch", type=int))
@@ -271,7 +280,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                cache_dtype=self.kv_cache_dtype),
+                cache_dtype=self.kv_cache_dtype, mamba_cache_mode=self.mamba_cache_mode,
+                mamba_block_size=self.mamba_block_size),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,  # None: the model's (engine/resolve.py)

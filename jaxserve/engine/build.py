@@ -73,6 +73,10 @@ def build_worker(config: EngineConfig) -> tuple[Worker, EngineConfig, int]:
         ", packed in int32 words" if layout.packed else "",
         resolved.kv_cache_groups.describe(),
     )
+    if worker.num_state_slots:
+        logger.info("linear-attention states: %d slots (%.2f GiB, slot 0 the null one) for %d "
+                    "linear layers", worker.num_state_slots, worker.state_pool_bytes() / 2**30,
+                    len(worker.arch.linear_layers))
     worker.compile_or_warm_up()
     if "compile_s" in worker.timings:
         logger.info("compiled all buckets in %.1f s", worker.timings["compile_s"])
@@ -93,7 +97,7 @@ def build_engine_core(config: EngineConfig, eos_token_id: int | None) -> BuiltEn
         config.structured_outputs_config.disable_additional_properties)
     scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks, eos_token_id,
                           structured, config.speculative_config,
-                          resolved_of(config).kv_cache_groups)
+                          resolved_of(config).kv_cache_groups, worker.num_state_slots)
     executor = LeaderWorker(worker) if worker.distributed.num_processes > 1 else worker
     core = EngineCore(scheduler, executor, batch_queue_size=config.batch_queue_size,
                       request_tracing=config.request_tracing)

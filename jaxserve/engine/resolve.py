@@ -22,6 +22,7 @@ import kernels_pallas.bf16_matmul as bf16_kernel
 from jaxserve.classifier import ClassifierConfig, is_classifier_architecture
 from jaxserve.config import (
     CPU_AUTO_BF16_ENV,
+    CacheConfig,
     EngineConfig,
     KVCacheDtype,
     ModelConfig,
@@ -60,10 +61,39 @@ def resolve_classifier(files: ModelFiles, arch: ArchConfig, mc: ModelConfig) -> 
         raise ValueError(f"{files.path}: {e}") from None
 
 
-def resolve_kv_cache_groups(arch: ArchConfig, hybrid: bool) -> KVCacheGroups:
+# Tokens between the linear-attention states --mamba-cache-mode align keeps (a multiple of the
+# page): a kept state costs one slot of every linear layer's states (a Qwen3-Next-80B-A3B slot
+# is 36 layers x ~1 MiB), so far fewer are kept than pages.
+MAMBA_BLOCK_SIZE = 256
+
+
+def resolve_state_block_size(cc: CacheConfig) -> int:
+    """Tokens between the linear-attention states kept for the prefix cache (0: none kept):
+    --mamba-cache-mode (default align with prefix caching) and --mamba-block-size."""
+    mode = cc.mamba_cache_mode or ("align" if cc.enable_prefix_caching else "none")
+    if mode == "all":
+        raise ValueError("--mamba-cache-mode all (a state kept at every page) is not supported; "
+                         "use align (a state every --mamba-block-size tokens) or none")
+    if mode == "none":
+        return 0
+    if not cc.enable_prefix_caching:
+        raise ValueError("--mamba-cache-mode align keeps states for the prefix cache: it needs "
+                         "--enable-prefix-caching")
+    size = cc.mamba_block_size or max(MAMBA_BLOCK_SIZE, cc.block_size)
+    if size % cc.block_size:
+        raise ValueError(f"--mamba-block-size {size} must be a multiple of --block-size "
+                         f"{cc.block_size}")
+    return size
+
+
+def resolve_kv_cache_groups(arch: ArchConfig, hybrid: bool, cc: CacheConfig) -> KVCacheGroups:
     """The model's KV cache groups: its sliding-window layers apart from its full-attention
-    ones. Not `hybrid` (pipeline stages, or --disable-hybrid-kv-cache-manager): layers of both
-    kinds share one full-attention group, every page kept."""
+    ones; a Gated DeltaNet hybrid's linear layers in a recurrent-state group. Not `hybrid`
+    (pipeline stages, or --disable-hybrid-kv-cache-manager): layers of both attention kinds
+    share one full-attention group, every page kept."""
+    if arch.linear_attention is not None:
+        return KVCacheGroups.for_linear_hybrid(arch.attention_layers, arch.linear_layers,
+                                               resolve_state_block_size(cc))
     types = arch.layer_types or ("sliding_attention",) * arch.num_hidden_layers
     windows = [arch.sliding_window if t == "sliding_attention" else None for t in types]
     return KVCacheGroups.for_layers(windows, hybrid)
@@ -113,7 +143,8 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         weight_group_size=group_size, weight_act_order=act_order,
         classifier=resolve_classifier(files, arch, mc),
         kv_cache_groups=resolve_kv_cache_groups(
-            arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager),
+            arch, hybrid=pp == 1 and not config.scheduler_config.disable_hybrid_kv_cache_manager,
+            cc=config.cache_config),
         experts_weight_format=experts_format, experts_weight_format_reason=experts_reason)
     return dataclasses.replace(
         config, resolved=resolved,
@@ -125,13 +156,23 @@ def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: Par
     """Flags this checkpoint contradicts, refused here (ValueError naming the flags) rather than
     once its weights are loaded or its programs traced, where the same checks also stand."""
     if arch.linear_attention is not None:
-        raise ValueError(
-            f"{arch.architecture}: its decoder runs (jaxserve/models/qwen3_next.py) but the engine "
-            "does not serve Gated DeltaNet hybrids yet: the worker has no pool of recurrent states")
+        refuse_for_linear_hybrids(arch, weight_format, pc)
     split_layers(arch.num_hidden_layers, pc.pipeline_parallel_size)
     if arch.num_experts:
         check_experts(weight_format)
         check_experts_split(arch, pc.tensor_parallel_size, pc.enable_expert_parallel)
+
+
+def refuse_for_linear_hybrids(arch: ArchConfig, weight_format: WeightFormat,
+                              pc: ParallelConfig) -> None:
+    """What the Gated DeltaNet hybrids (models/qwen3_next.py) do not run with yet."""
+    name = arch.architecture
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        raise ValueError(f"{name}: --tensor-parallel-size and --pipeline-parallel-size above 1 "
+                         "are not supported for the Gated DeltaNet hybrids yet")
+    if weight_format is not WeightFormat.FLOAT:
+        raise ValueError(f"{name}: {weight_format.value} weights are not supported for the Gated "
+                         "DeltaNet hybrids yet (float only: no --quantization)")
 
 
 def resolve_dtype(dtype: str, platform: str) -> str:
@@ -208,6 +249,8 @@ def resolve_quantization(quantization: str | None, dtype: str, platform: str, tp
         return None, "float32 weights under tensor/pipeline parallelism (the CPU kernels have no sharding rule)"
     if arch().num_experts:
         return None, "float32 weights: bf16 does not cover mixture-of-experts models"
+    if arch().linear_attention is not None:
+        return None, "float32 weights: bf16 does not cover the Gated DeltaNet hybrids yet"
     if not bf16_kernel.cpu.onednn_available():
         return None, f"float32 weights: no native bf16 matmul ({bf16_kernel.cpu.onednn_unavailable_reason()})"
     return "bf16", (f"bf16 weights: --dtype auto on a CPU with bf16 units ({bf16_kernel.cpu.onednn_description()}; "

@@ -7,7 +7,7 @@ refuses an unsupported model in a fraction of a second.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from jaxserve.models.arch_config import ArchConfig
 from jaxserve.models.architectures import resolve_architecture, supported_architectures
@@ -15,14 +15,32 @@ from jaxserve.models.architectures import resolve_architecture, supported_archit
 if TYPE_CHECKING:
     from jaxserve.models.attention_metadata import AttentionMetadata
     from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
+
+    # The decoders the model runner drives (each has embed, run_layers, final_norm,
+    # compute_logits and kv_cache).
+    DecoderModel: TypeAlias = LlamaForCausalLM | Qwen3NextForCausalLM
 
 __all__ = [
     "ArchConfig",
     "AttentionMetadata",
     "LlamaForCausalLM",
     "resolve_architecture",
+    "decoder_class",
     "supported_architectures",
 ]
+
+
+def decoder_class(arch: ArchConfig) -> type[LlamaForCausalLM] | type[Qwen3NextForCausalLM]:
+    """The decoder module of an architecture: the Gated DeltaNet hybrids' own, else the
+    Llama-family one (architectures.py's table)."""
+    if arch.linear_attention is not None:
+        from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
+    from jaxserve.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 def __getattr__(name: str) -> Any:

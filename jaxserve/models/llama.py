@@ -167,8 +167,10 @@ class LlamaForCausalLM(nn.Module):
         return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
-    def kv_cache(self, num_pages: int, page_size: int) -> jax.ShapeDtypeStruct:
-        """The whole (every device's heads) stacked cache this model runs with."""
+    def kv_cache(self, num_pages: int, page_size: int, num_state_slots: int = 0
+                 ) -> jax.ShapeDtypeStruct:
+        """The whole (every device's heads) stacked cache this model runs with
+        (`num_state_slots`: a Gated DeltaNet hybrid's; these layers keep no state)."""
         opts = self.opts
         tp = 1 if opts.mesh is None else opts.mesh.shape["model"]
         layout = kv_cache_layout(self.cfg, opts.attention_backend, opts.kv_cache_dtype, tp)

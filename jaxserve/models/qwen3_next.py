@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from jaxserve.config import WeightFormat
-from jaxserve.kv_cache_spec import KVCacheGroups, KVCacheGroupSpec
+from jaxserve.kv_cache_spec import KVCacheGroups
 from jaxserve.models.arch_config import ArchConfig, LinearAttention
 from jaxserve.models.attention import Attention, ModelOptions, attention_spec, kv_cache_layout
 from jaxserve.models.attention_metadata import AttentionMetadata, StateMetadata
@@ -53,13 +53,31 @@ class HybridCache:
 
 
 def hybrid_kv_cache_groups(cfg: ArchConfig, state_block_size: int = 0) -> KVCacheGroups:
-    """One full-attention group of the attention layers (slot i: the i-th) and one recurrent
-    group of the linear layers (slot i: the i-th, its index in `HybridCache.conv` / `ssm`)."""
-    attention, linear = cfg.attention_layers, cfg.linear_layers
-    return KVCacheGroups((KVCacheGroupSpec(attention),
-                          KVCacheGroupSpec(linear, recurrent=True,
-                                           state_block_size=state_block_size)),
-                         num_slots=len(attention))
+    """The groups the engine resolves for `cfg` (engine/resolve.py), for tests and tools."""
+    return KVCacheGroups.for_linear_hybrid(cfg.attention_layers, cfg.linear_layers,
+                                           state_block_size)
+
+
+def state_metadata(groups: KVCacheGroups, md: AttentionMetadata) -> StateMetadata:
+    """Each sequence's state slots, from its recurrent group's table (whose entry i is the state
+    after its first (i + 1) * state_block_size tokens; one entry for the whole context when no
+    states are kept): it reads the entry of its last computed token, starting from zeros if it
+    has none, and writes the entry of the step's last token (engine_core's
+    RecurrentStateManager hands out the tables; padding rows name slot 0, and write nothing)."""
+    g = groups.recurrent_group()
+    assert g is not None  # a hybrid's groups have one
+    table = md.page_indices[g]  # [S, entries]
+    every = groups.groups[g].state_block_size
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    computed = md.kv_lens - q_lens
+    rows = jnp.arange(table.shape[0])
+
+    def entry(token: jax.Array) -> jax.Array:  # the entry holding the state after `token`
+        index = jnp.maximum(token, 0) // every if every else jnp.zeros_like(token)
+        return table[rows, index]
+
+    return StateMetadata(read_slots=entry(computed - 1), write_slots=entry(md.kv_lens - 1),
+                         has_initial_state=computed > 0)
 
 
 class GatedDeltaNet(nn.Module):
@@ -163,8 +181,23 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, cache: HybridCache,
                  md: AttentionMetadata) -> tuple[jax.Array, HybridCache]:
+        h, cache = self.run_layers(self.embed(input_ids), positions, cache, md)
+        return self.final_norm(h), cache
+
+    # The pieces of __call__ the model runner calls, as LlamaForCausalLM's.
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, h: jax.Array) -> jax.Array:
+        return self.norm(h)
+
+    def run_layers(self, h: jax.Array, positions: jax.Array, cache: HybridCache,
+                   md: AttentionMetadata) -> tuple[jax.Array, HybridCache]:
+        """Every layer over a step; the state slots are `md.state`, or read from the recurrent
+        group's table (`state_metadata`) when the step does not give them."""
         cfg = self.cfg
-        h = self.embed_tokens(input_ids)
+        if md.state is None:
+            md = dataclasses.replace(md, state=state_metadata(self.opts.kv_cache_groups, md))
         cos, sin = rope_cos_sin(cfg, positions)
         plan = kernels_pallas.attention_plan(
             md.kv_lens, md.page_indices[0], md.cu_q_lens, md.num_seqs, num_tokens=h.shape[0],
@@ -173,7 +206,7 @@ class Qwen3NextForCausalLM(nn.Module):
         md = dataclasses.replace(md, plan=plan)
         for layer in self.layers:
             h, cache = layer(h, cache, cos, sin, md)
-        return self.norm(h), cache
+        return h, cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> float32 logits [N, vocab]."""
@@ -181,7 +214,7 @@ class Qwen3NextForCausalLM(nn.Module):
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
 
-    def kv_cache(self, num_pages: int, page_size: int, num_state_slots: int
+    def kv_cache(self, num_pages: int, page_size: int, num_state_slots: int = 0
                  ) -> HybridCache:
         """The cache's shapes (ShapeDtypeStructs): `num_pages` pages for the attention layers,
         `num_state_slots` state slots (slot 0 the null one) for each linear layer."""

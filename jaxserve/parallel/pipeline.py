@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,13 @@ import numpy as np
 from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.models import ArchConfig, AttentionMetadata, LlamaForCausalLM
+from jaxserve.models import ArchConfig, AttentionMetadata, decoder_class
 from jaxserve.models.attention import ModelOptions
 from jaxserve.models.variables import param_tree
 from jaxserve.parallel.sharding import param_shardings, weight_placements
+
+if TYPE_CHECKING:
+    from jaxserve.models import DecoderModel
 
 
 @dataclass
@@ -37,11 +40,11 @@ class Stage:
     index: int
     layers: tuple[int, int]  # [start, end) of the checkpoint's layers
     mesh: Mesh
-    model: LlamaForCausalLM  # configured with this stage's layer count
+    model: DecoderModel  # configured with this stage's layer count
     params: Any
     is_first: bool
     is_last: bool
-    kv_cache: jax.Array | None = None
+    kv_cache: Any = None  # the model's cache: an array, or a Gated DeltaNet hybrid's HybridCache
 
     @property
     def replicated(self) -> NamedSharding:
@@ -66,6 +69,8 @@ def stage_params(params: dict[str, Any], layers: tuple[int, int], first: bool, l
     """The host params one stage needs (its layer slice; embedding/norm/head where used).
     With dense layers among the sparse (`arch.moe_layers`) each feed-forward stack is sliced
     to the stage's layers of its kind, and a kind the stage has none of is left out."""
+    if arch.linear_attention is not None:  # one stage only (engine/resolve.py): every param
+        return params
     p, tied = params["params"], arch.tie_word_embeddings
     lo, hi = layers
     mixed = arch.moe_layers is not None
@@ -104,7 +109,7 @@ def build_stages(
         first, last = i == 0, i == pp - 1
         host = stage_params(host_params, rng, first, last, arch)
         cfg = arch.layer_range(*rng)
-        model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
+        model = decoder_class(cfg)(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         # Arrays already on the mesh (restored sharded from Orbax) are placed as they are.
         placed = all(isinstance(a, jax.Array) for a in jax.tree.leaves(host))
         placements = weight_placements(host, param_shardings(host, sub, opts.expert_parallel))
@@ -114,16 +119,16 @@ def build_stages(
     return stages
 
 
-def abstract_params(model: LlamaForCausalLM) -> Any:
+def abstract_params(model: DecoderModel) -> Any:
     """The loaders' param tree of `model` (decoder and LM head) as ShapeDtypeStructs."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     G = len(model.opts.kv_cache_groups.groups)
     # Parameter shapes do not depend on the mesh or the kernels: initialise the plain model.
-    plain = LlamaForCausalLM(model.cfg, dataclasses.replace(
+    plain = type(model)(model.cfg, dataclasses.replace(
         model.opts, mesh=None, attention_backend="reference", attention_interpret=False))
-    kv = plain.kv_cache(4, 16)
+    kv = plain.kv_cache(4, 16, num_state_slots=2)
 
-    def init_all(module: LlamaForCausalLM, ids, pos, cache, md):
+    def init_all(module: DecoderModel, ids, pos, cache, md):
         return module.compute_logits(module(ids, pos, cache, md)[0])
 
     def init(key: jax.Array, ids: jax.Array, pos: jax.Array, cache: Any, *md: jax.Array) -> Any:
@@ -142,7 +147,7 @@ def abstract_stages(
     """`build_stages` without weights: each stage's params as ShapeDtypeStructs carrying their
     shardings, for compiling on devices this process may not drive (preflight, KV sizing)."""
     pp, tp = mesh.shape["stage"], mesh.shape["model"]
-    full = abstract_params(LlamaForCausalLM(arch, opts))
+    full = abstract_params(decoder_class(arch)(arch, opts))
     stages = []
     for i, rng in enumerate(split_layers(arch.num_hidden_layers, pp)):
         sub = Mesh(mesh.devices[:, i : i + 1, :], mesh.axis_names)
@@ -150,7 +155,7 @@ def abstract_stages(
         host = jax.eval_shape(functools.partial(stage_params, layers=rng, first=first, last=last,
                                                 arch=arch), full)
         cfg = arch.layer_range(*rng)
-        model = LlamaForCausalLM(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
+        model = decoder_class(cfg)(cfg, dataclasses.replace(opts, mesh=sub if tp > 1 else None))
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               host, weight_placements(host, param_shardings(host, sub, opts.expert_parallel)))
         stages.append(Stage(i, rng, sub, model, params, first, last))

@@ -137,6 +137,13 @@ def param_shardings(params: dict[str, Any], mesh: Mesh, expert_parallel: bool = 
     def one(path: tuple[Any, ...], leaf: Any) -> NamedSharding:
         keys = tuple(p.key for p in path)[1:]  # drop the leading "params"
         axes = PARAM_AXES.get(keys)
+        if axes is None and keys[0].startswith("layers_"):
+            # A Gated DeltaNet hybrid's layer (models/qwen3_next.py: one subtree per layer, no
+            # layer axis): the stacked layers' rule without it; its linear attention whole (one
+            # device so far: engine/resolve.py refuses tensor parallelism for them).
+            stacked = PARAM_AXES.get(("layers", *keys[1:]))
+            axes = stacked[1:] if stacked else (
+                (None,) * leaf.ndim if keys[1] == "linear_attn" else None)
         if axes is None:
             raise KeyError(f"no sharding rule for parameter {'/'.join(keys)}")
         return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules))

@@ -55,6 +55,9 @@ class MemoryPlan:
     num_pages: int  # including the null page 0
     groups: KVCacheGroups
     seq_pages: int  # pages one max_model_len sequence holds while decoding (every group's)
+    # A Gated DeltaNet hybrid's pool of linear-attention states, carved out before the pages.
+    num_state_slots: int = 0
+    state_pool_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -94,6 +97,13 @@ class MemoryPlan:
         """Cache bytes a token of context costs (a max_model_len sequence's share)."""
         return self.seq_pages * self.page_bytes // self.max_model_len
 
+    def state_pool_text(self) -> str:
+        """", and N state slots (B)" for a model with linear-attention layers, else ""."""
+        if not self.num_state_slots:
+            return ""
+        return (f" and {self.num_state_slots} linear-attention state slots "
+                f"({fmt_bytes(self.state_pool_bytes)})")
+
     def summary(self) -> str:
         return (f"{self.device}: {fmt_bytes(self.memory_bytes)} x {self.utilization:g} = "
                 f"{fmt_bytes(self.usable_bytes)} usable; weights {fmt_bytes(self.weight_bytes)}, "
@@ -101,7 +111,7 @@ class MemoryPlan:
                 f"{fmt_bytes(self.state_bytes)}, KV cache {fmt_bytes(self.cache_bytes)} = "
                 f"{self.num_pages} pages of {self.page_size} tokens "
                 f"({fmt_bytes(self.bytes_per_token)} per token of context; "
-                f"{self.groups.describe()}): "
+                f"{self.groups.describe()}){self.state_pool_text()}: "
                 f"{self.max_concurrent_seqs} sequences of {self.max_model_len} tokens at once")
 
 
@@ -136,6 +146,7 @@ def plan_kv_cache(
     activation_bytes: int, page_bytes: int, page_size: int, max_model_len: int,
     groups: KVCacheGroups, chunk: int,
     kv_cache_memory_bytes: int | None = None, given_by: str | None = None,
+    num_state_slots: int = 0, state_pool_bytes: int = 0,
 ) -> MemoryPlan:
     """The pages that fit (or `kv_cache_memory_bytes` of them, as the user asked with the
     flag `given_by`), or InsufficientMemoryError when not one max_model_len sequence
@@ -145,10 +156,12 @@ def plan_kv_cache(
     room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
     if kv_cache_memory_bytes is not None:
         room = kv_cache_memory_bytes
+    room -= state_pool_bytes  # the linear-attention states first, then the pages
     plan = MemoryPlan(device, memory_bytes, utilization, weight_bytes, state_bytes,
                       activation_bytes, page_bytes, page_size, max_model_len,
                       max(room, 0) // page_bytes, groups,
-                      groups.pages_per_request(max_model_len, page_size))
+                      groups.pages_per_request(max_model_len, page_size),
+                      num_state_slots, state_pool_bytes)
     need = groups.min_num_blocks(max_model_len, page_size, chunk)
     if plan.num_pages < need:
         fits = groups.longest_fitting(plan.num_pages, page_size, chunk)

@@ -32,7 +32,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.engine_core.model_runner_output import ModelRunnerOutput
 from jaxserve.engine_core.sched_output import SchedulerOutput
-from jaxserve.models import AttentionMetadata, LlamaForCausalLM
+from jaxserve.models import AttentionMetadata
 from jaxserve.models.variables import model_variables
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -77,16 +77,21 @@ from jaxserve.worker.step_handle import (
     sampled_output,
 )
 
+if TYPE_CHECKING:
+    from jaxserve.models import DecoderModel
+
 logger = logging.getLogger(__name__)
 
 # A stage's weights: Flax variables, nested as the model's modules are (no finer type).
 Params = dict[str, Any]
+# A decoder's run_layers: (module, hidden, positions, its cache, metadata) -> (hidden, cache).
+RunLayers = Callable[[Any, jax.Array, jax.Array, Any, AttentionMetadata], tuple[jax.Array, Any]]
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def model_apply(model: LlamaForCausalLM, params: Params,
-          method: Callable[Concatenate[LlamaForCausalLM, _P], _R], *args: _P.args,
+def model_apply(model: DecoderModel, params: Params,
+          method: Callable[Concatenate[Any, _P], _R], *args: _P.args,
           **kwargs: _P.kwargs) -> _R:
     """`model.apply(params, *args, method=method)`, typed as `method` returns (Flax types
     `apply` for mutable collections too)."""
@@ -202,8 +207,8 @@ class ModelRunner:
         return StepInputs.packing(num_tokens, self.max_num_seqs, self.batch.max_pages,
                                   self.num_logit_rows, self.batch.num_groups)
 
-    def stage_fn(self, key: ForwardKey, params: Params, kv_cache: jax.Array, x: jax.Array,
-                 buf: jax.Array) -> tuple[jax.Array, jax.Array | FinalStates]:
+    def stage_fn(self, key: ForwardKey, params: Params, kv_cache: Any, x: jax.Array,
+                 buf: jax.Array) -> tuple[Any, jax.Array | FinalStates]:
         """One pipeline stage (the whole model when pp = 1) over a `key.tokens` bucket.
 
         The first stage embeds (x = last_sampled: tokens sampled by the previous step
@@ -215,14 +220,16 @@ class ModelRunner:
         params = model_variables(params)  # int8 layer weights: a collection of their own
         if st.is_first:
             input_ids = jnp.where(inp.prev_slot >= 0, x[jnp.maximum(inp.prev_slot, 0)], inp.input_ids)
-            x = model_apply(st.model, params, LlamaForCausalLM.embed, input_ids)
+            x = model_apply(st.model, params, type(st.model).embed, input_ids)
         md = AttentionMetadata(inp.slot_mapping, inp.kv_lens, inp.page_indices, inp.cu_q_lens, inp.num_seqs)
-        h, kv_cache = model_apply(st.model, params, LlamaForCausalLM.run_layers, x, inp.positions, kv_cache, md)
+        # Each decoder's own cache type (an array, or a hybrid's HybridCache): one signature here.
+        run_layers = cast(RunLayers, type(st.model).run_layers)
+        h, kv_cache = model_apply(st.model, params, run_layers, x, inp.positions, kv_cache, md)
         if not st.is_last:
             return kv_cache, h
         # A fixed number of rows, so the sampler's shapes do not depend on T.
         rows = jnp.pad(inp.logits_indices, (0, self.num_logit_rows - inp.logits_indices.shape[0]))
-        normed = model_apply(st.model, params, LlamaForCausalLM.final_norm, h)
+        normed = model_apply(st.model, params, type(st.model).final_norm, h)
         # all_rows (prompt logprobs): every token's state too, not only the sampled rows.
         return kv_cache, FinalStates(normed[rows], normed if key.all_rows else None)
 
@@ -248,7 +255,7 @@ class ModelRunner:
         """Per token row: the logprob of `targets` (the next prompt token), then the top-N,
         and the target's rank; from the raw model distribution, as sampled logprobs.
         (token ids, logprobs, ranks): PromptLogprobsOut's fields."""
-        logits = model_apply(self.model, params, LlamaForCausalLM.compute_logits, hidden)
+        logits = model_apply(self.model, params, type(self.model).compute_logits, hidden)
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         top_v, top_i = jax.lax.top_k(lp, MAX_LOGPROBS)
         target_lp = jnp.take_along_axis(lp, targets[:, None], axis=-1)
@@ -293,7 +300,7 @@ class ModelRunner:
         # An identity barrier: XLA's Triton GEMM emitter fails on a one-row slice fused into
         # the LM head (R = 1 on H100/H200: "Reshape input and output shapes must be the same")
         sampled_rows = jax.lax.optimization_barrier(hidden[:key.rows])
-        logits = model_apply(self.model, params, LlamaForCausalLM.compute_logits, sampled_rows)
+        logits = model_apply(self.model, params, type(self.model).compute_logits, sampled_rows)
         rows = jnp.minimum(slots, self.max_num_seqs - 1)
         prompt_mask: jax.Array | None = None
         output_counts: jax.Array | None = None

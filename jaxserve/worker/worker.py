@@ -17,6 +17,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 import kernels_pallas
 import kernels_pallas.bf16_matmul as bf16_kernel
@@ -32,6 +33,7 @@ from jaxserve.models.loaders.hf import load_score_head
 from jaxserve.models.loaders.orbax_loader import orbax_param_shapes, read_orbax_arch, restore_orbax
 from jaxserve.models.model_files import ModelFiles, ModelFormat, resolve_model
 from jaxserve.models.quantization import GROUP_SIZE, pack_params, param_bytes, quantize_params
+from jaxserve.models.qwen3_next import HybridCache
 from jaxserve.parallel.distributed import initialize_distributed
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.pipeline import Stage, abstract_stages, build_stages, random_weights
@@ -123,6 +125,8 @@ class Worker:
         self.attention_backend = r.attention_backend
         self.max_model_len = r.max_model_len
         self.kv_cache_groups = r.kv_cache_groups
+        # The linear-attention layers' state pool (0: none), carved from the KV budget first.
+        self.num_state_slots = r.kv_cache_groups.num_state_slots(config.scheduler_config.max_num_seqs)
         # Every stage's model runs with these (its own sub-mesh set per stage).
         self.model_options = ModelOptions(
             dtype=self.dtype, attention_backend=self.attention_backend,
@@ -207,10 +211,26 @@ class Worker:
 
     def page_bytes(self) -> int:
         """Bytes of one KV page on the busiest device: its stage's layers, its share of heads."""
-        return max(per_device_bytes(self._cache_struct(st, 1)) for st in self.stages)
+        return max(per_device_bytes(_pages(self._cache_struct(st, 1, 0))) for st in self.stages)
 
-    def _cache_struct(self, st: Stage, num_blocks: int) -> jax.ShapeDtypeStruct:
-        spec = st.model.kv_cache(num_blocks, self.config.cache_config.block_size)
+    def state_pool_bytes(self) -> int:
+        """Bytes of the linear-attention layers' state pool on the busiest device (0: none)."""
+        if not self.num_state_slots:
+            return 0
+        return max(per_device_bytes(self._cache_struct(st, 0)) for st in self.stages)
+
+    def _cache_struct(self, st: Stage, num_blocks: int, num_state_slots: int | None = None) -> Any:
+        """The stage's cache as sharded ShapeDtypeStructs: its pages (split by heads), and a
+        Gated DeltaNet hybrid's state pool (`HybridCache`, replicated: one device so far)."""
+        slots = self.num_state_slots if num_state_slots is None else num_state_slots
+        spec = st.model.kv_cache(num_blocks, self.config.cache_config.block_size, slots)
+        if isinstance(spec, HybridCache):
+            replicated = NamedSharding(st.mesh, PartitionSpec())
+            kv = jax.ShapeDtypeStruct(spec.kv.shape, spec.kv.dtype,
+                                      sharding=kv_cache_sharding(st.mesh, spec.kv.shape))
+            conv, ssm = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+                         for a in (spec.conv, spec.ssm))
+            return HybridCache(kv, conv, ssm)  # type: ignore[arg-type]  # its arrays' shapes
         return jax.ShapeDtypeStruct(spec.shape, spec.dtype,
                                     sharding=kv_cache_sharding(st.mesh, spec.shape))
 
@@ -227,7 +247,7 @@ class Worker:
             given_by += f" {num_blocks}"
         else:
             budget = cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-            num_blocks = budget // self.page_bytes()
+            num_blocks = max(budget - self.state_pool_bytes(), 0) // self.page_bytes()
             knob = "--kv-cache-memory-bytes"
             given_by = (f"{knob} {budget}" if cc.kv_cache_memory_bytes
                         else f"the CPU's default KV budget ({fmt_bytes(budget)})")
@@ -253,7 +273,8 @@ class Worker:
         check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state,
                           page_bytes // cc.block_size)
         if cc.num_gpu_blocks_override is not None:  # the pages are given: nothing to measure
-            activations, budget = 0, cc.num_gpu_blocks_override * page_bytes
+            activations = 0
+            budget = cc.num_gpu_blocks_override * page_bytes + self.state_pool_bytes()
             given_by = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
         else:
             programs = sizing_programs(probe.programs())
@@ -271,7 +292,8 @@ class Worker:
             page_bytes=page_bytes, page_size=cc.block_size, max_model_len=self.max_model_len,
             groups=self.kv_cache_groups,
             chunk=self.config.scheduler_config.max_num_batched_tokens,
-            kv_cache_memory_bytes=budget, given_by=given_by)
+            kv_cache_memory_bytes=budget, given_by=given_by,
+            num_state_slots=self.num_state_slots, state_pool_bytes=self.state_pool_bytes())
 
     def device_memory(self) -> tuple[int, str]:
         """(bytes the runtime lets the engine use, device kind) of the first device."""
@@ -316,8 +338,9 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         for st in self.stages:
             spec = self._cache_struct(st, num_blocks)
-            st.kv_cache = jax.jit(functools.partial(jnp.zeros, spec.shape, spec.dtype),
-                                  out_shardings=spec.sharding)()
+            st.kv_cache = jax.jit(
+                functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype), spec),
+                out_shardings=jax.tree.map(lambda s: s.sharding, spec))()
         self.num_blocks = num_blocks
         self.runner = self.make_runner(num_blocks)
 
@@ -339,6 +362,11 @@ class Worker:
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         assert self.runner is not None
         return self.runner.execute_model_async(scheduler_output)
+
+
+def _pages(cache: Any) -> Any:
+    """The attention pages of a stage's cache (a hybrid's `HybridCache.kv`)."""
+    return cache.kv if isinstance(cache, HybridCache) else cache
 
 
 def _max_verify_rows(config: EngineConfig) -> int:

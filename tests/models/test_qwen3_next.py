@@ -1,8 +1,9 @@
 """The Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next's dense form) against transformers, float32,
 on tiny random checkpoints: every position's logits over a whole prompt, the same prompt in
 several steps carrying its states through slots (a prefix-cache hit's read slot apart from its
-write slot too), two sequences side by side, and the start-up errors for a bad config or
-checkpoint. Through the engine they are refused for now (no state pool in the worker)."""
+write slot too), two sequences side by side; through the engine (chunks, preemption, prefix
+hits on kept states, prompt logprobs); and the start-up errors for a bad config, checkpoint
+or flag."""
 
 from __future__ import annotations
 
@@ -27,13 +28,23 @@ PROMPT = [(7 * i) % 120 + 3 for i in range(37)]  # 10 pages; chunks of the delta
 SECOND = [(11 * i) % 97 + 5 for i in range(13)]
 
 
+def _tiny(kind: str, tmp_path_factory) -> str:
+    return save_tiny_hf(kind, str(tmp_path_factory.mktemp(kind)), initializer_range=0.2,
+                        tie_word_embeddings=False)
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def hybrid(request, tmp_path_factory) -> tuple[str, ArchConfig, Qwen3NextForCausalLM, dict]:
-    path = save_tiny_hf(request.param, str(tmp_path_factory.mktemp("hybrid")),
-                        initializer_range=0.2, tie_word_embeddings=False)
+    path = _tiny(request.param, tmp_path_factory)
     arch, params = load_checkpoint(path, np.float32)
     model = Qwen3NextForCausalLM(arch, ModelOptions(kv_cache_groups=hybrid_kv_cache_groups(arch)))
     return path, arch, model, jax.tree.map(jnp.asarray, params)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory) -> str:
+    """One hybrid through the engine: the decoder is shared (CI's time)."""
+    return _tiny("qwen3_5", tmp_path_factory)
 
 
 class Steps:
@@ -159,10 +170,58 @@ def test_a_missing_or_misshapen_tensor_is_refused_naming_it(tmp_path) -> None:
         load_checkpoint(path, np.float32)
 
 
-def test_the_engine_refuses_them_until_its_worker_holds_states(hybrid) -> None:
+PROMPTS = [PROMPT[:30], [3], SECOND * 2]
+ENGINE = dict(skip_tokenizer_init=True, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16,
+              block_size=4, enforce_eager=True, mamba_block_size=8)
+
+
+def test_through_the_engine_with_chunks_preemption_and_prefix_hits(qwen3_5: str) -> None:
+    """Greedy tokens equal transformers' with 16-token chunks and too few pages for the three
+    at once (preemption frees a request's state slots; resumption recomputes), then again
+    with prefix hits that land only on the kept states' boundaries (every 8 tokens); prompt
+    logprobs within 2e-3 of transformers'."""
+    import torch
+    import transformers
+
+    from jaxserve import LLM, SamplingParams
+    from tests.models.tiny import hf_greedy
+
+    path = qwen3_5
+    want = hf_greedy(path, PROMPTS, 16)
+    # 25 pages of 4 tokens: one 96-token request and the null page; the three need 31.
+    llm = LLM(path, num_gpu_blocks_override=25, **ENGINE)
+    assert llm.engine_core.worker.num_state_slots == 1 + 4 * 2 * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == want
+    assert llm.engine_core.scheduler.total_num_preemptions > 0
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == want
+    hits = [o.num_cached_tokens for o in again]
+    assert hits[0] > 0 and hits[2] > 0 and all(h % 8 == 0 for h in hits), hits
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0], -1).numpy()
+    for p in range(1, len(PROMPT)):
+        for tok, lp in out.prompt_logprobs[p].items():
+            assert abs(lp.logprob - ref[p - 1, tok]) <= 2e-3, (p, tok, lp, ref[p - 1, tok])
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(tensor_parallel_size=2), r"--tensor-parallel-size .* not supported for the Gated"),
+    (dict(quantization="int8"), r"int8 weights are not supported for the Gated DeltaNet"),
+    (dict(mamba_cache_mode="all"), r"--mamba-cache-mode all .* is not supported"),
+    (dict(mamba_block_size=6, block_size=4), r"--mamba-block-size 6 must be a multiple of "
+                                             r"--block-size 4"),
+    (dict(mamba_cache_mode="align", enable_prefix_caching=False), r"needs --enable-prefix-caching"),
+])
+def test_what_they_do_not_run_with_is_refused_naming_the_flag(qwen3_5: str, flags: dict,
+                                                             match: str) -> None:
     from jaxserve.engine.arg_utils import EngineArgs
     from jaxserve.engine.resolve import resolve_engine_config
 
-    path = hybrid[0]
-    with pytest.raises(ValueError, match="does not serve Gated DeltaNet hybrids yet"):
-        resolve_engine_config(EngineArgs(model=path).create_engine_config())
+    with pytest.raises(ValueError, match=match):
+        resolve_engine_config(EngineArgs(model=qwen3_5, **flags).create_engine_config())

@@ -117,8 +117,13 @@ class GatedDeltaNet(nn.Module):
         f32 = jnp.float32
         beta = jax.nn.sigmoid(b.astype(f32))
         g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
-        o, ssm = gdn.ragged_gated_delta_rule(q, k, v, g, beta, ssm, sm.read_slots, md.cu_q_lens,
-                                             num_seqs, sm.has_initial_state, sm.write_slots)
+        # Token by token for decode-like steps (a token per sequence), in chunks of 64 for
+        # prefill: a chunk costs about 64 tokens' work in one step of the loop.
+        rows = md.cu_q_lens.shape[0] - 1
+        chunked = T >= max(2 * gdn.CHUNK_SIZE, 4 * rows)
+        rule = gdn.ragged_gated_delta_rule_chunked if chunked else gdn.ragged_gated_delta_rule
+        o, ssm = rule(q, k, v, g, beta, ssm, sm.read_slots, md.cu_q_lens, num_seqs,
+                      sm.has_initial_state, sm.write_slots)
         norm_w = self.param("norm", nn.initializers.ones, (la.value_head_dim,), dtype)
         o = gdn.rms_norm_gated(o.astype(dtype), z.reshape(T, Hv, la.value_head_dim), norm_w,
                                cfg.rms_norm_eps)

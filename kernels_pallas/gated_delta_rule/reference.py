@@ -20,7 +20,8 @@ u = (I + strictly_lower(diag(beta) K K^T * D))^-1 diag(beta) (V - exp(G) * K S0)
 
 which is the recurrence above, exactly, with matrix products in place of C steps.
 
-Ragged batches (`ragged_*`) follow ragged paged attention's contract: sequences side by side,
+Ragged batches (`ragged_*`; the delta rule token by token, for decode, or chunked, for
+prefill) follow ragged paged attention's contract: sequences side by side,
 delimited by `cu_q_lens`, the first `num_seqs` real; sequence s reads its states from slot
 `state_slots[s]`, starting from zeros unless `has_initial_state[s]` (its earlier tokens were
 computed: a later chunk of its prompt, or a decode), and writes them to `write_slots[s]`
@@ -185,13 +186,90 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 
     def body(c: jax.Array, x: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         s, is_real, *token = x
-        new, o = _step(c[s], *token)
-        c = jnp.where(is_real, c.at[s].set(new), c)
-        return c, jnp.where(is_real, o, 0.0)
+        old = c[s]
+        new, o = _step(old, *token)
+        # Only the token's own sequence is touched (a padding token writes its old state
+        # back): a step costs one state, not the batch's.
+        return c.at[s].set(jnp.where(is_real, new, old)), jnp.where(is_real, o, 0.0)
 
     carry, o = jax.lax.scan(body, carry, (seq, real, q, k, v.astype(f32), g.astype(f32),
                                           beta.astype(f32)))
     return o, _store(states, state_slots if write_slots is None else write_slots, num_seqs, carry)
+
+
+def _one_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk of one sequence in the chunked form (the module docstring's formulas): q, k
+    [C, H, dk] prepared (`_prepare_qk`), v [C, H, dv], g, beta [C, H], state [H, dk, dv], all
+    float32. Rows with beta = g = 0 write nothing and do not decay the state."""
+    size = q.shape[0]
+    q, k, v = (jnp.swapaxes(x, 0, 1) for x in (q, k, v))  # [H, C, d]
+    g, beta = g.T, beta.T  # [H, C]
+    big_g = jnp.cumsum(g, axis=-1)
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    decay = jnp.exp(jnp.where(causal, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))
+    k_beta = k * beta[..., None]
+    strict = jnp.tril(k_beta @ jnp.swapaxes(k, -1, -2) * decay, -1)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(big_g)[..., None]], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(jnp.eye(size, dtype=q.dtype) + strict, rhs,
+                                               lower=True, unit_diagonal=True)
+    u = solved[..., :v.shape[-1]] - solved[..., v.shape[-1]:] @ state
+    o = (q * jnp.exp(big_g)[..., None]) @ state + (q @ jnp.swapaxes(k, -1, -2) * decay) @ u
+    k_to_end = k * jnp.exp(big_g[..., -1:] - big_g)[..., None]
+    state = state * jnp.exp(big_g[..., -1])[:, None, None] + jnp.swapaxes(k_to_end, -1, -2) @ u
+    return jnp.swapaxes(o, 0, 1), state
+
+
+def ragged_gated_delta_rule_chunked(
+        q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+        states: jax.Array, state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+        has_initial_state: jax.Array, write_slots: jax.Array | None = None,
+        chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+    """`ragged_gated_delta_rule` in the chunked form: each sequence's tokens in chunks of
+    `chunk_size` (its last one short), the chunks of every sequence one after another, so a
+    prefill step loops over about T / chunk_size + sequences chunks, not T tokens. Same
+    signature and results."""
+    f32, size = jnp.float32, chunk_size
+    num_tokens, num_rows = q.shape[0], state_slots.shape[0]
+    q, k = _prepare_qk(q, k, v.shape[1])
+    # Padded by a chunk, so every chunk's slice is in bounds; pad rows have g = beta = 0.
+    qp, kp, vp, gp, bp = (jnp.pad(x.astype(f32), [(0, size)] + [(0, 0)] * (x.ndim - 1))
+                          for x in (q, k, v, g, beta))
+    real = jnp.arange(num_rows) < num_seqs
+    lens = jnp.where(real, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    per_seq = -(-lens // size)  # chunks of each sequence
+    ends = jnp.cumsum(per_seq)
+    chunk = jnp.arange(num_tokens // size + num_rows)  # at most this many chunks
+    seq = jnp.minimum(jnp.searchsorted(ends, chunk, side="right"), num_rows - 1)
+    valid = chunk < ends[-1]
+    within = chunk - (ends - per_seq)[seq]
+    start = jnp.where(valid, cu_q_lens[seq] + within * size, num_tokens)
+    length = jnp.where(valid, jnp.minimum(size, cu_q_lens[seq + 1] - start), 0)
+    first, last = within == 0, valid & (within == per_seq[seq] - 1)
+    initial = _initial(states, state_slots, has_initial_state).astype(f32)
+
+    def body(carry: tuple[jax.Array, ...], x: tuple[jax.Array, ...]
+             ) -> tuple[tuple[jax.Array, ...], None]:
+        state, finals, out = carry
+        s, at, n, is_first, is_last = x
+        state = jnp.where(is_first, initial[s], state)
+        mask = (jnp.arange(size) < n)[:, None]
+
+        def rows(a: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice_in_dim(a, at, size, 0)
+
+        o, state = _one_chunk(rows(qp), rows(kp), rows(vp), jnp.where(mask, rows(gp), 0.0),
+                              jnp.where(mask, rows(bp), 0.0), state)
+        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[..., None], o, rows(out)),
+                                                  at, 0)
+        finals = finals.at[s].set(jnp.where(is_last, state, finals[s]))
+        return (state, finals, out), None
+
+    out = jnp.zeros((num_tokens + size, *vp.shape[1:]), f32)
+    (_, finals, out), _ = jax.lax.scan(body, (initial[0], initial, out),
+                                       (seq, start, length, first, last))
+    return out[:num_tokens], _store(states, state_slots if write_slots is None else write_slots,
+                                    num_seqs, finals)
 
 
 def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array,

@@ -5,6 +5,8 @@ several steps carrying its states, and ragged batches beside one-sequence runs."
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,7 +132,13 @@ def test_a_prompt_in_several_steps_carries_its_states() -> None:
     np.testing.assert_allclose(whole_c, want_c)
 
 
-def test_ragged_batch_equals_each_sequence_alone() -> None:
+RAGGED_FORMS = {"recurrent": gdn.ragged_gated_delta_rule,
+                # chunks of 4: the 7-token chunk spans two, one ends mid-chunk
+                "chunked": functools.partial(gdn.ragged_gated_delta_rule_chunked, chunk_size=4)}
+
+
+@pytest.mark.parametrize("form", list(RAGGED_FORMS))
+def test_ragged_batch_equals_each_sequence_alone(form: str) -> None:
     """A step of a 7-token prompt chunk (fresh), a 2-token chunk (continuing), a decode and
     a 1-token prompt (fresh), then padding: each sequence's output rows and slots equal its
     own run; the slots of other sequences and padding rows are left alone."""
@@ -148,8 +156,7 @@ def test_ragged_batch_equals_each_sequence_alone() -> None:
     slot_arr = np.array(slots + [0] * (max_seqs - len(lens)), np.int32)  # padding names slot 0
     has = np.array(has_initial + [True] * (max_seqs - len(lens)))
     num = jnp.int32(len(lens))
-    o, new_states = jax.jit(gdn.ragged_gated_delta_rule)(
-        q, k, v, g, beta, states, slot_arr, cu, num, has)
+    o, new_states = jax.jit(RAGGED_FORMS[form])(q, k, v, g, beta, states, slot_arr, cu, num, has)
     y, new_conv = jax.jit(gdn.ragged_causal_conv1d)(cx, w, conv_states, slot_arr, cu, num, has)
     for i, (n, initial, slot) in enumerate(zip(lens, has_initial, slots)):
         a, b = cu[i], cu[i] + n

@@ -24,7 +24,9 @@ from jaxserve.models.qwen3_next import HybridCache, Qwen3NextForCausalLM, hybrid
 from tests.models.tiny import hf_logits, save_tiny_hf
 
 PAGE = 4
-PROMPT = [(7 * i) % 120 + 3 for i in range(37)]  # 10 pages; chunks of the delta rule's 64 span it
+PROMPT = [(7 * i) % 120 + 3 for i in range(37)]  # 10 pages: the delta rule token by token
+LONG = [(13 * i) % 125 + 2 for i in range(150)]  # its chunked form: two chunks of 64 and a short one
+PAGES = 48  # per sequence
 SECOND = [(11 * i) % 97 + 5 for i in range(13)]
 
 
@@ -49,12 +51,12 @@ def qwen3_5(tmp_path_factory) -> str:
 
 class Steps:
     """Runs steps of a ragged batch through the hybrid decoder over one cache: each sequence
-    its own pages (sequence s: pages 1 + s * 16 ...) and the state slots a step names."""
+    its own pages (sequence s: pages 1 + s * PAGES ...) and the state slots a step names."""
 
     def __init__(self, model: Qwen3NextForCausalLM, params: dict, num_seqs: int,
                  num_state_slots: int = 8) -> None:
         self.model, self.params, self.max_seqs = model, params, num_seqs
-        spec = model.kv_cache(1 + 16 * num_seqs, PAGE, num_state_slots)
+        spec = model.kv_cache(1 + PAGES * num_seqs, PAGE, num_state_slots)
         self.cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
         self.run = jax.jit(self._run)
 
@@ -67,9 +69,9 @@ class Steps:
         """`chunks`: per sequence (its tokens this step, tokens computed before, read slot,
         write slot). Returns each sequence's logits for its tokens."""
         ids, pos, slots, cu, kv_lens = [], [], [], [0], []
-        pages = np.zeros((2, self.max_seqs, 16), np.int32)
+        pages = np.zeros((2, self.max_seqs, PAGES), np.int32)
         for s, (tokens, start, _, _) in enumerate(chunks):
-            pages[0, s] = 1 + 16 * s + np.arange(16)
+            pages[0, s] = 1 + PAGES * s + np.arange(PAGES)
             p = np.arange(start, start + len(tokens))
             ids += tokens
             pos += p.tolist()
@@ -94,11 +96,12 @@ class Steps:
         return [logits[cu[s]:cu[s + 1]] for s in range(n)]
 
 
-def test_whole_prompt_logits_equal_transformers(hybrid) -> None:
+@pytest.mark.parametrize("prompt", [PROMPT, LONG], ids=["recurrent", "chunked"])
+def test_whole_prompt_logits_equal_transformers(hybrid, prompt: list[int]) -> None:
     path, arch, model, params = hybrid
     assert arch.linear_layers == (0, 1, 2) and arch.attention_layers == (3,)
-    want = hf_logits(path, PROMPT)
-    got = Steps(model, params, 1).step([(PROMPT, 0, 1, 1)])[0]
+    want = hf_logits(path, prompt)
+    got = Steps(model, params, 1).step([(prompt, 0, 1, 1)])[0]
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
 
 
@@ -114,7 +117,7 @@ def test_a_prompt_in_steps_and_a_state_kept_for_a_prefix_hit(hybrid) -> None:
     run.cache = HybridCache(run.cache.kv, run.cache.conv.at[:, 2].set(run.cache.conv[:, 1]),
                             run.cache.ssm.at[:, 2].set(run.cache.ssm[:, 1]))
     # The second sequence reuses the first's pages for its prefix: same page table, same KV.
-    run.cache = HybridCache(run.cache.kv.at[:, 17:17 + 6].set(run.cache.kv[:, 1:7]),
+    run.cache = HybridCache(run.cache.kv.at[:, 1 + PAGES:7 + PAGES].set(run.cache.kv[:, 1:7]),
                             run.cache.conv, run.cache.ssm)
     first, second = run.step([(PROMPT[24:], 24, 1, 1), (PROMPT[24:], 24, 2, 3)])
     out += [first, run.step([([5], 37, 1, 1)])[0]]

@@ -88,8 +88,9 @@ class GatedDeltaNet(nn.Module):
     opts: ModelOptions
 
     @nn.compact
-    def __call__(self, x: jax.Array, conv: jax.Array, ssm: jax.Array, md: AttentionMetadata
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, cache: HybridCache, layer: int, md: AttentionMetadata
+                 ) -> tuple[jax.Array, HybridCache]:
+        """`layer`: this layer's index in the cache's state arrays."""
         cfg, opts = self.cfg, self.opts
         la: LinearAttention = cfg.linear_attention  # type: ignore[assignment]  # a hybrid's
         sm: StateMetadata = md.state  # type: ignore[assignment]  # set for every hybrid step
@@ -109,25 +110,35 @@ class GatedDeltaNet(nn.Module):
         dt_bias = self.param("dt_bias", nn.initializers.ones, (Hv,), dtype)
         a_log = self.param("A_log", nn.initializers.zeros, (Hv,), dtype)
         num_seqs = md.num_seqs[0]
-        qkv, conv = gdn.ragged_causal_conv1d(qkv, conv_w, conv, sm.read_slots, md.cu_q_lens,
-                                             num_seqs, sm.has_initial_state, sm.write_slots)
+        # Each sequence's new states are written straight into the cache's [layers, slots, ...]
+        # arrays (one scatter into the donated buffer; a layer's pool is not copied).
+        rows = md.cu_q_lens.shape[0] - 1
+        write = jnp.where(jnp.arange(rows) < num_seqs, sm.write_slots, cache.ssm.shape[1])
+        qkv, conv_new = gdn.ragged_causal_conv1d(qkv, conv_w, cache.conv[layer], sm.read_slots,
+                                                 md.cu_q_lens, num_seqs, sm.has_initial_state,
+                                                 store=False)
         q = qkv[:, :la.key_dim].reshape(T, la.num_key_heads, la.key_head_dim)
         k = qkv[:, la.key_dim:2 * la.key_dim].reshape(T, la.num_key_heads, la.key_head_dim)
         v = qkv[:, 2 * la.key_dim:].reshape(T, Hv, la.value_head_dim)
         f32 = jnp.float32
         beta = jax.nn.sigmoid(b.astype(f32))
         g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
-        # Token by token for decode-like steps (a token per sequence), in chunks of 64 for
-        # prefill: a chunk costs about 64 tokens' work in one step of the loop.
+        # Token by token on the CPU, and for decode-like steps (a token per sequence); in
+        # chunks of 64 for prefill on GPU/TPU, whose matrix units the chunked form is for (on
+        # the CPU it does ~6x the flops for no fewer state reads, and ran no faster:
+        # docs/benchmarks.md, "Gated DeltaNet hybrids").
         rows = md.cu_q_lens.shape[0] - 1
-        chunked = T >= max(2 * gdn.CHUNK_SIZE, 4 * rows)
+        chunked = opts.platform != "cpu" and T >= max(2 * gdn.CHUNK_SIZE, 4 * rows)
         rule = gdn.ragged_gated_delta_rule_chunked if chunked else gdn.ragged_gated_delta_rule
-        o, ssm = rule(q, k, v, g, beta, ssm, sm.read_slots, md.cu_q_lens, num_seqs,
-                      sm.has_initial_state, sm.write_slots)
+        o, ssm_new = rule(q, k, v, g, beta, cache.ssm[layer], sm.read_slots, md.cu_q_lens,
+                          num_seqs, sm.has_initial_state, store=False)
+        cache = HybridCache(
+            cache.kv, cache.conv.at[layer, write].set(conv_new.astype(cache.conv.dtype), mode="drop"),
+            cache.ssm.at[layer, write].set(ssm_new.astype(cache.ssm.dtype), mode="drop"))
         norm_w = self.param("norm", nn.initializers.ones, (la.value_head_dim,), dtype)
         o = gdn.rms_norm_gated(o.astype(dtype), z.reshape(T, Hv, la.value_head_dim), norm_w,
                                cfg.rms_norm_eps)
-        return dense(cfg.hidden_size, "out_proj")(o.reshape(T, la.value_dim)), conv, ssm
+        return dense(cfg.hidden_size, "out_proj")(o.reshape(T, la.value_dim)), cache
 
 
 class HybridDecoderLayer(nn.Module):
@@ -142,10 +153,7 @@ class HybridDecoderLayer(nn.Module):
         cfg, opts = self.cfg, self.opts
         x = RMSNorm(cfg.rms_norm_eps, opts.dtype, cfg.norm_offset, name="input_layernorm")(h)
         if self.layer in cfg.linear_layers:
-            out, conv, ssm = GatedDeltaNet(cfg, opts, name="linear_attn")(
-                x, cache.conv[self.slot], cache.ssm[self.slot], md)
-            cache = dataclasses.replace(cache, conv=cache.conv.at[self.slot].set(conv),
-                                        ssm=cache.ssm.at[self.slot].set(ssm))
+            out, cache = GatedDeltaNet(cfg, opts, name="linear_attn")(x, cache, self.slot, md)
         else:
             kv_id = jnp.asarray([0, self.slot], jnp.int32)  # group 0: the attention layers'
             out, kv = Attention(cfg, opts, name="self_attn")(

@@ -25,7 +25,10 @@ prefill) follow ragged paged attention's contract: sequences side by side,
 delimited by `cu_q_lens`, the first `num_seqs` real; sequence s reads its states from slot
 `state_slots[s]`, starting from zeros unless `has_initial_state[s]` (its earlier tokens were
 computed: a later chunk of its prompt, or a decode), and writes them to `write_slots[s]`
-(the same slot unless given: the prefix cache keeps the state a step started from).
+(the same slot unless given: the prefix cache keeps the state a step started from). With
+`store=False` they return each sequence's new states instead ([rows, ...], in `state_slots`'
+order), for a caller that writes them into a pool of its own (the decoder's: every layer's
+slots in one donated array, written in place).
 """
 
 from __future__ import annotations
@@ -172,8 +175,8 @@ def _store(states: jax.Array, state_slots: jax.Array, num_seqs: jax.Array, new: 
 def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                             beta: jax.Array, states: jax.Array, state_slots: jax.Array,
                             cu_q_lens: jax.Array, num_seqs: jax.Array,
-                            has_initial_state: jax.Array, write_slots: jax.Array | None = None
-                            ) -> tuple[jax.Array, jax.Array]:
+                            has_initial_state: jax.Array, write_slots: jax.Array | None = None,
+                            store: bool = True) -> tuple[jax.Array, jax.Array]:
     """A mixed batch, token by token: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv];
     states [num_slots, Hv, dk, dv]; state_slots, has_initial_state [max_num_seqs];
     cu_q_lens [max_num_seqs + 1]; num_seqs a scalar. Returns (o [T, Hv, dv] float32, zeros
@@ -194,6 +197,8 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
 
     carry, o = jax.lax.scan(body, carry, (seq, real, q, k, v.astype(f32), g.astype(f32),
                                           beta.astype(f32)))
+    if not store:
+        return o, carry
     return o, _store(states, state_slots if write_slots is None else write_slots, num_seqs, carry)
 
 
@@ -224,7 +229,7 @@ def ragged_gated_delta_rule_chunked(
         q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         states: jax.Array, state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
         has_initial_state: jax.Array, write_slots: jax.Array | None = None,
-        chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+        store: bool = True, chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """`ragged_gated_delta_rule` in the chunked form: each sequence's tokens in chunks of
     `chunk_size` (its last one short), the chunks of every sequence one after another, so a
     prefill step loops over about T / chunk_size + sequences chunks, not T tokens. Same
@@ -248,10 +253,9 @@ def ragged_gated_delta_rule_chunked(
     first, last = within == 0, valid & (within == per_seq[seq] - 1)
     initial = _initial(states, state_slots, has_initial_state).astype(f32)
 
-    def body(carry: tuple[jax.Array, ...], x: tuple[jax.Array, ...]
-             ) -> tuple[tuple[jax.Array, ...], None]:
+    def body(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         state, finals, out = carry
-        s, at, n, is_first, is_last = x
+        s, at, n, is_first, is_last = seq[j], start[j], length[j], first[j], last[j]
         state = jnp.where(is_first, initial[s], state)
         mask = (jnp.arange(size) < n)[:, None]
 
@@ -263,19 +267,21 @@ def ragged_gated_delta_rule_chunked(
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[..., None], o, rows(out)),
                                                   at, 0)
         finals = finals.at[s].set(jnp.where(is_last, state, finals[s]))
-        return (state, finals, out), None
+        return state, finals, out
 
     out = jnp.zeros((num_tokens + size, *vp.shape[1:]), f32)
-    (_, finals, out), _ = jax.lax.scan(body, (initial[0], initial, out),
-                                       (seq, start, length, first, last))
+    # Only the step's chunks run (a loop of dynamic length, not the static bound's).
+    _, finals, out = jax.lax.fori_loop(0, ends[-1], body, (initial[0], initial, out))
+    if not store:
+        return out[:num_tokens], finals
     return out[:num_tokens], _store(states, state_slots if write_slots is None else write_slots,
                                     num_seqs, finals)
 
 
 def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array,
                          state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                         has_initial_state: jax.Array, write_slots: jax.Array | None = None
-                         ) -> tuple[jax.Array, jax.Array]:
+                         has_initial_state: jax.Array, write_slots: jax.Array | None = None,
+                         store: bool = True) -> tuple[jax.Array, jax.Array]:
     """`causal_conv1d` over a mixed batch: x [T, C]; conv_states [num_slots, K-1, C]. Returns
     (y [T, C], zeros on padding rows; conv_states with each real sequence's slot holding the
     K-1 inputs that end it)."""
@@ -301,5 +307,7 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array
     from_state = jnp.take_along_axis(start, jnp.clip(width - 1 + idx, 0, width - 2)[..., None],
                                      axis=1)
     last = jnp.where((idx >= 0)[..., None], from_x, from_state)
+    if not store:
+        return y, last
     return y, _store(conv_states, state_slots if write_slots is None else write_slots, num_seqs,
                      last)

@@ -82,6 +82,7 @@ def boxes(live: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "kv_cache_manager": {"kv_cache_usage": live["kv_cache_usage"],
                              "kv_cache_usage_full_attention": live["kv_cache_usage_full_attention"],
                              "kv_cache_usage_sliding_window": live["kv_cache_usage_sliding_window"],
+                             "state_slot_usage": live["state_slot_usage"],
                              "prefix_cache_hit_rate": live["prefix_cache_hit_rate"]},
         "model_runner": {"step_time_s": live["step_time_s"], "batch_size": live["batch_size"],
                          "num_steps": live["num_steps"], "num_compiles": live["num_compiles"],

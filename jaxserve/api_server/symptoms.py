@@ -118,6 +118,18 @@ def diagnose(store: TraceStore, metrics: ServerMetrics, facts: ServerFacts,
             f"KV cache full{kind}: requests preempted and recomputed", "kv_cache_manager",
             evidence, advice))
 
+    # kv_cache_manager, a hybrid's state pool: its slots are sized for --max-num-seqs running
+    # requests (and as many kept states, which give way first), so a full pool is its own
+    # remedy, not the pages'.
+    states = live.get("state_slot_usage")
+    if states is not None and states > 0.95:
+        findings.append(_finding(
+            "linear-attention state slots full", "kv_cache_manager",
+            f"{100 * states:.0f}% of the state slots are held (each running request holds one "
+            "per linear layer group, two in a step that starts a kept block)",
+            "the pool is sized from --max-num-seqs: raise it, or keep fewer states for the "
+            "prefix cache (a larger --mamba-block-size, or --mamba-cache-mode none)"))
+
     # api_server: tokens reached the engine's output long before the API server handled them.
     lags = [lag for t in traces if (lag := _output_lag(t)) is not None]
     slow = [x for x in lags if x > 0.25]

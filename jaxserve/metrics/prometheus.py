@@ -291,7 +291,7 @@ class ServerMetrics:
         running, waiting, usage = self.running_waiting_usage()
         engines = list(self._engine_stats.values())
         by_kind = {kind: sum(s.kv_cache_usage_by_kind.get(kind, 0.0) for s in engines) / len(engines)
-                   for kind in ("full_attention", "sliding_window")
+                   for kind in ("full_attention", "sliding_window", "recurrent_state")
                    if any(kind in s.kv_cache_usage_by_kind for s in engines)}
         steps = [s.step_stats for s in self._engine_stats.values() if s.step_stats]
         k = max(len(steps), 1)
@@ -301,6 +301,8 @@ class ServerMetrics:
             # Which kind of layers holds the pages (a hybrid model's: both kinds).
             "kv_cache_usage_full_attention": by_kind.get("full_attention"),
             "kv_cache_usage_sliding_window": by_kind.get("sliding_window"),
+            # A Gated DeltaNet hybrid's linear layers: the share of its state slots in use.
+            "state_slot_usage": by_kind.get("recurrent_state"),
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
             "num_preemptions": self.totals["preemptions"],
             "num_steps": sum(x.num_steps for x in steps),

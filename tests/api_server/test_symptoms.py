@@ -92,6 +92,14 @@ def test_live_counters_alone_are_evidence() -> None:
         [f] = diagnose(TraceStore(), counters, FACTS)
         assert f["symptom"].startswith(f"KV cache full by {kind} layers") and knob in f["advice"]
         assert f"{kind} layers' pages" in f["evidence"] or f"{kind} layers'" in f["evidence"]
+    # A Gated DeltaNet hybrid: a full state pool is named apart from the pages, with its knobs.
+    counters = ServerMetrics("m")
+    counters.record_scheduler_stats(SchedulerStats(
+        kv_cache_usage=0.4, kv_cache_usage_by_kind={"full_attention": 0.4, "recurrent_state": 1.0}))
+    [f] = diagnose(TraceStore(), counters, FACTS)
+    assert f["box"] == "kv_cache_manager" and f["symptom"] == "linear-attention state slots full"
+    assert "--max-num-seqs" in f["advice"] and "--mamba-block-size" in f["advice"]
+    assert counters.live()["state_slot_usage"] == 1.0
     eager = ServerFacts(4, 512, enforce_eager=True)
     counters = ServerMetrics("m")
     counters.record_scheduler_stats(SchedulerStats(step_stats=StepStats(num_compiles=5, compile_s=2.0)))

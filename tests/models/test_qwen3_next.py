@@ -198,6 +198,9 @@ def test_through_the_engine_with_chunks_preemption_and_prefix_hits(qwen3_5: str)
     first = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == want
     assert llm.engine_core.scheduler.total_num_preemptions > 0
+    # /debug's kv_cache_manager box: the state pool's share apart from the pages'.
+    assert set(llm.engine_core.scheduler.kv_cache_manager.usage_by_kind()) == {
+        "full_attention", "recurrent_state"}
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == want
     hits = [o.num_cached_tokens for o in again]

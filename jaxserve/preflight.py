@@ -99,7 +99,8 @@ class PreflightReport:
             "max_concurrent_seqs": m.max_concurrent_seqs,
             "max_concurrent_seqs_every_page_kept": m.seqs_keeping_every_page,
             "kv_cache_groups": [{"group": name, "pages_per_seq": n}
-                                for name, n in m.group_pages()]}
+                                for name, n in m.group_pages()],
+            "num_state_slots": m.num_state_slots, "state_pool_bytes": m.state_pool_bytes}
         return {
             "ok": self.ok, "error": self.error, "target": self.target, "device": self.device,
             "num_devices": self.num_devices, "model": self.model,
@@ -137,6 +138,11 @@ class PreflightReport:
             if len(m.groups.groups) > 1 or m.groups.has_sliding:
                 lines += [f"    group {i}: {name}: {n} pages per sequence"
                           for i, (name, n) in enumerate(m.group_pages())]
+            if m.num_state_slots:
+                lines.append(
+                    f"  linear states    {fmt_bytes(m.state_pool_bytes):>12}  = "
+                    f"{m.num_state_slots} slots (slot 0 the null one; at most "
+                    f"{m.groups.state_slots_per_request()} per running sequence)")
             lines.append(f"  -> {m.max_concurrent_seqs} sequences of {m.max_model_len} tokens at "
                          "once" + (f" ({m.seqs_keeping_every_page} if every layer kept every page)"
                                    if m.groups.has_sliding else ""))

@@ -69,8 +69,13 @@ class MemoryPlan:
 
     @property
     def max_concurrent_seqs(self) -> int:
-        """Sequences of max_model_len tokens the cache holds at once, decoding."""
-        return max(self.num_pages - 1, 0) // self.seq_pages
+        """Sequences of max_model_len tokens the cache holds at once, decoding (and, for a
+        model with linear-attention layers, that its state slots hold)."""
+        seqs = max(self.num_pages - 1, 0) // self.seq_pages
+        per_seq = self.groups.state_slots_per_request()
+        if self.num_state_slots and per_seq:
+            seqs = min(seqs, (self.num_state_slots - 1) // per_seq)
+        return seqs
 
     @property
     def seqs_keeping_every_page(self) -> int:
@@ -86,6 +91,11 @@ class MemoryPlan:
         """(group, pages one decoding max_model_len sequence holds in it) per group."""
         out = []
         for spec in self.groups.groups:
+            if spec.recurrent:  # its slots are the state pool's (`num_state_slots`), no pages
+                kept = (f", a state kept every {spec.state_block_size} tokens"
+                        if spec.state_block_size else "")
+                out.append((f"recurrent state, {len(spec.layers)} layers{kept}", 0))
+                continue
             kind = ("full attention" if spec.sliding_window is None
                     else f"sliding window {spec.sliding_window}")
             out.append((f"{kind}, {len(spec.layers) or 'all'} layers",

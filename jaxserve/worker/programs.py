@@ -189,10 +189,14 @@ def _local_shape_text(x: Any) -> str:
 
 
 def count_cache_copies(hlo: str, cache: Any) -> int:
-    """`copy` / `copy-start` instructions producing an array of the cache shard's shape."""
-    shape = re.escape(_local_shape_text(cache))
-    pattern = re.compile(r"=\s*\w+" + shape + r"\{[^}]*\}\s+copy(-start)?\(")
-    return len(pattern.findall(hlo))
+    """`copy` / `copy-start` instructions producing an array of a cache shard's shape (each
+    array of the cache: a hybrid's pages and state pools too)."""
+    total = 0
+    for leaf in jax.tree.leaves(cache):
+        shape = re.escape(_local_shape_text(leaf))
+        pattern = re.compile(r"=\s*\w+" + shape + r"\{[^}]*\}\s+copy(-start)?\(")
+        total += len(pattern.findall(hlo))
+    return total
 
 
 @contextlib.contextmanager

@@ -491,6 +491,37 @@ def test_gpt_oss_compiles(target: str, gpt_oss_model: str) -> None:
     assert report.memory.weight_bytes < 300 * 2**20
 
 
+@pytest.fixture(scope="module")
+def gdn_hybrid(tmp_path_factory) -> str:
+    """A small Qwen3.5 (3 Gated DeltaNet layers, then a full one) at the released models' head
+    dims: at the tiny test checkpoints' 8 x 8 states v6e relayouts the state pool around its
+    scatter (two copies a step), at 128 x 128 it does not."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("qwen3_5"))
+    transformers.Qwen3_5TextConfig(
+        architectures=["Qwen3_5ForCausalLM"], vocab_size=1024, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=2048).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("target", ["v6e:1x1", "h100"])
+def test_gated_deltanet_hybrid_compiles(target: str, gdn_hybrid: str) -> None:
+    """The hybrid's forward (the delta rule token by token up to 64 tokens, chunked at the
+    128-token bucket) with its state pool donated and written in place; the pool's slots and
+    bytes in the memory report."""
+    report = _preflight(target, "--model", gdn_hybrid, "--programs", "forward",
+                        "--max-num-batched-tokens", "128", *WARM_UP, *FIXED_CACHE)
+    _assert_clean(report)
+    assert [p.name for p in report.programs][-1] == "forward[T=128]"
+    m = report.memory
+    assert m.num_state_slots == 1 + 1 * 2 * 2  # the null slot; one sequence, two slots, kept
+    # 3 layers x 5 slots x (3 x 1024 bf16 conv inputs + 4 x 128 x 128 float32 states)
+    assert m.state_pool_bytes == 3 * 5 * (3 * 1024 * 2 + 4 * 128 * 128 * 4)
+
+
 def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
     """`--target A B --roofline --json`: one object with `targets` and `rows`; v6e:1x1 cannot
     hold -tp 2 (its error is its row's), v5e:2x2 still gets its estimate, its price and the

@@ -50,10 +50,11 @@ class Ideal:
     flops: float
     attention_flops: float
     head_bytes: float = 0.0  # of weight_bytes, the LM head's (the sampler program reads it)
+    state_bytes: float = 0.0  # linear-attention layers' states read and written
 
     @property
     def bytes(self) -> float:
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.state_bytes
 
 
 def expert_params(arch: ArchConfig, tokens: int) -> float:
@@ -70,14 +71,21 @@ def weight_params(arch: ArchConfig, tokens: int) -> tuple[float, float]:
     of each mixture-of-experts layer the experts its tokens reach, in expectation when each
     token picks its top-k uniformly: E x (1 - (1 - k/E)^tokens)."""
     H = arch.hidden_size
-    attention = 2 * H * arch.q_size + 2 * H * arch.kv_size
+    # q_proj, twice as wide with an output gate per head (the hybrids' full layers), o, k, v.
+    attention = (3 if arch.attn_output_gate else 2) * H * arch.q_size + 2 * H * arch.kv_size
+    la = arch.linear_attention
+    # A Gated DeltaNet layer: in_proj_qkv, z, b, a, out_proj and the convolution's taps.
+    linear = (H * (la.conv_dim + 2 * la.value_dim + 2 * la.num_value_heads)
+              + la.conv_kernel * la.conv_dim) if la is not None else 0
+    linear_layers = set(arch.linear_layers)
     dense_mlp = 3 * H * arch.intermediate_size
     sparse = (arch.moe_layers if arch.moe_layers is not None
               else (bool(arch.num_experts),) * arch.num_hidden_layers)
     E, k = arch.num_experts, arch.num_experts_per_tok
     experts = E * (1 - (1 - k / E) ** tokens) if E else 0
     moe_mlp = H * arch.num_experts + experts * 3 * H * arch.moe_intermediate_size
-    layers = sum(attention + (moe_mlp if s else dense_mlp) for s in sparse)
+    layers = sum((linear if i in linear_layers else attention) + (moe_mlp if s else dense_mlp)
+                 for i, s in enumerate(sparse))
     head = arch.vocab_size * H
     return layers + head, head
 
@@ -93,7 +101,7 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
     params, head = weight_params(arch, step.tokens)
     head_width = weight_bytes_per_param if head_bytes_per_param is None else head_bytes_per_param
     experts = 0.0 if experts_bytes_per_param is None else expert_params(arch, step.tokens)
-    L = arch.num_hidden_layers
+    L = len(arch.attention_layers)  # the layers with a KV cache
     local = arch.local_layers or (((arch.sliding_window is not None),) * L)
     # Each layer reads every sequence's context (a sliding layer: its window), and writes the
     # step's new tokens.
@@ -108,12 +116,21 @@ def ideal_step(arch: ArchConfig, step: Step, weight_bytes_per_param: float,
         attended = sum(sum(min(i + 1, s) for i in range(step.tokens)) if s < step.context
                        else step.tokens * (step.tokens + 1) / 2 for s in seen)
     attention_flops = 4 * arch.q_size * attended
+    # Linear-attention layers: each sequence's states read and written once a step (the
+    # convolution's inputs at the activations' width, the delta rule's S in float32), and per
+    # token ~6 x heads x dk x dv flops (decay, S^T k, the rank-one write, S^T q).
+    la, linear = arch.linear_attention, len(arch.linear_layers)
+    states = 2 * step.batch * linear * la.state_bytes(int(act_bytes)) if la else 0.0
+    if la:
+        attention_flops += (6 * la.num_value_heads * la.key_head_dim * la.value_head_dim
+                            * step.tokens * linear)
     flops = 2 * (params - head) * step.tokens + 2 * head * step.sampled + attention_flops
-    activations = 2 * step.tokens * arch.hidden_size * act_bytes * L + step.sampled * arch.vocab_size * 4
+    activations = (2 * step.tokens * arch.hidden_size * act_bytes * arch.num_hidden_layers
+                   + step.sampled * arch.vocab_size * 4)
     weights = ((params - head - experts) * weight_bytes_per_param + head * head_width
                + experts * (experts_bytes_per_param or 0.0))
     return Ideal(weights, kv, activations,
-                 flops, attention_flops, head * head_width)
+                 flops, attention_flops, head * head_width, states)
 
 
 @dataclasses.dataclass(frozen=True)

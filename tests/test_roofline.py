@@ -54,6 +54,27 @@ def test_sliding_layers_read_their_window_and_experts_their_reach() -> None:
     assert bf16.weight_bytes - mxfp4.weight_bytes == pytest.approx(2 * 2 * 96 * 1.5)
 
 
+def test_a_hybrids_linear_layers_read_and_write_their_states_not_pages() -> None:
+    """TINY with its first layer Gated DeltaNet (2 key heads, 4 value heads of 4, kernel 4) and
+    the second a gated full-attention layer, hand-counted."""
+    from jaxserve.models.arch_config import LinearAttention
+
+    la = LinearAttention(num_key_heads=2, num_value_heads=4, key_head_dim=4, value_head_dim=4,
+                         conv_kernel=4)
+    hybrid = dataclasses.replace(TINY, layer_types=("linear_attention", "full_attention"),
+                                 linear_attention=la, attn_output_gate=True, norm_offset=1.0)
+    params, head = roofline.weight_params(hybrid, tokens=1)
+    # linear: qkv 8 x 32, z 8 x 16, b and a 8 x 4 each, out 16 x 8, conv 4 x 32 = 704;
+    # full: q (with its gate) 8 x 16, o 8 x 8, k, v 8 x 4 each = 256; MLPs 2 x 384; head 800.
+    assert (params, head) == (704 + 256 + 2 * 384 + 800, 800)
+    ideal = roofline.ideal_step(hybrid, roofline.decode(batch=2, context=10), 2, 2)
+    assert ideal.kv_bytes == 16 * (20 + 2)  # the full layer alone
+    # Per sequence, read and written: conv 3 x 32 x 2 B + S 4 x 4 x 4 x 4 B = 448 B.
+    assert ideal.state_bytes == 2 * 2 * 448
+    assert ideal.bytes == ideal.weight_bytes + ideal.kv_bytes + ideal.activation_bytes + 1792
+    assert ideal.attention_flops == 4 * 8 * 20 + 6 * 4 * 4 * 4 * 2
+
+
 def test_roofline_time_is_the_slower_of_bandwidth_and_peak() -> None:
     v6e = chip("v6e")
     ideal = roofline.Ideal(weight_bytes=1638e9, kv_bytes=0, activation_bytes=0, flops=918e12 / 2,

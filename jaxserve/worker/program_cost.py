@@ -80,7 +80,7 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
     tp = worker.config.parallel_config.tensor_parallel_size
     nbytes, flops = backend.step_cost(worker.kv_layout, worker.run_arch.num_attention_heads // tp,
                                       worker.config.cache_config.block_size, q_lens, kv_lens)
-    layers = worker.run_arch.num_hidden_layers
+    layers = len(worker.run_arch.attention_layers)  # a hybrid's linear layers have no pages
     return float(flops * layers), float(nbytes * layers)
 
 

@@ -56,15 +56,14 @@ ARCHITECTURES["Gemma3TextForSequenceClassification"] = ARCHITECTURES.pop(
 
 
 def supported_architectures() -> list[str]:
-    """The generative architectures the engine serves (each has its
-    *ForSequenceClassification too). The Gated DeltaNet hybrids are not among them yet: their
-    decoder runs (models/qwen3_next.py) but the worker has no state pool for them."""
-    return sorted(n for n, spec in ARCHITECTURES.items()
-                  if n.endswith("ForCausalLM") and not spec.linear_attention)
+    """The generative architectures (each but the Gated DeltaNet hybrids has its
+    *ForSequenceClassification too)."""
+    return sorted(n for n in ARCHITECTURES if n.endswith("ForCausalLM"))
 
 
 def _supported() -> str:
-    return ", ".join(supported_architectures()) + " (and each one's *ForSequenceClassification)"
+    return (", ".join(supported_architectures())
+            + " (and each one's *ForSequenceClassification, but the Gated DeltaNet hybrids')")
 
 
 def resolve_architecture(names: Sequence[str] | None) -> str:

@@ -327,14 +327,16 @@ def _gemma_fields(arch: str, version: int | None, cfg: dict[str, Any]) -> dict[s
                 layer_types=tuple(types), local_rope_theta=local_theta)
 
 
-def _layer_types(arch: str, cfg: dict[str, Any], every: int) -> tuple[str, ...]:
-    """config.json's `layer_types`, checked against num_hidden_layers and sliding_window
-    (ValueError naming them); without one, every `every`-th layer full, the others sliding."""
+def _layer_types(arch: str, cfg: dict[str, Any], every: int,
+                 kinds: tuple[str, str] = ("sliding_attention", "full_attention")
+                 ) -> tuple[str, ...]:
+    """config.json's `layer_types`, each one of `kinds` (the other layers', then
+    "full_attention"), checked against num_hidden_layers and sliding_window (ValueError naming
+    them); without one, every `every`-th layer full, the others of the first kind."""
     types = cfg.get("layer_types")
     if types is None:
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+        types = ["full_attention" if (i + 1) % every == 0 else kinds[0]
                  for i in range(cfg["num_hidden_layers"])]
-    kinds = ("sliding_attention", "full_attention")
     if (not isinstance(types, (list, tuple)) or len(types) != cfg["num_hidden_layers"]
             or any(t not in kinds for t in types)):
         raise ValueError(f"{arch}: config.json layer_types must list {cfg['num_hidden_layers']} "
@@ -353,16 +355,8 @@ def _linear_attention_fields(arch: str, hybrid: bool, cfg: dict[str, Any]) -> di
     layer full, as transformers' configs), checked (ValueError naming the field)."""
     if not hybrid:
         return {}
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        every = int(cfg.get("full_attention_interval", 4))
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    kinds = ("linear_attention", "full_attention")
-    if (not isinstance(types, (list, tuple)) or len(types) != n
-            or any(t not in kinds for t in types)):
-        raise ValueError(f"{arch}: config.json layer_types must list {n} layers "
-                         f"(num_hidden_layers), each one of {', '.join(kinds)}; got {types!r}")
+    types = _layer_types(arch, cfg, int(cfg.get("full_attention_interval", 4)),
+                         ("linear_attention", "full_attention"))
     missing = [k for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                            "linear_value_head_dim", "linear_conv_kernel_dim") if k not in cfg]
     if missing:

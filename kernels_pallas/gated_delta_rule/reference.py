@@ -24,11 +24,11 @@ Ragged batches (`ragged_*`; the delta rule token by token, for decode, or chunke
 prefill) follow ragged paged attention's contract: sequences side by side,
 delimited by `cu_q_lens`, the first `num_seqs` real; sequence s reads its states from slot
 `state_slots[s]`, starting from zeros unless `has_initial_state[s]` (its earlier tokens were
-computed: a later chunk of its prompt, or a decode), and writes them to `write_slots[s]`
-(the same slot unless given: the prefix cache keeps the state a step started from). With
-`store=False` they return each sequence's new states instead ([rows, ...], in `state_slots`'
-order), for a caller that writes them into a pool of its own (the decoder's: every layer's
-slots in one donated array, written in place).
+computed: a later chunk of its prompt, or a decode), and writes them back to the same slot.
+With `store=False` they return each sequence's new states instead ([rows, ...], in
+`state_slots`' order), for a caller that writes them elsewhere (the decoder: into another slot
+when the prefix cache keeps the state a step started from, and every layer's slots in one
+donated array, written in place).
 """
 
 from __future__ import annotations
@@ -175,8 +175,7 @@ def _store(states: jax.Array, state_slots: jax.Array, num_seqs: jax.Array, new: 
 def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                             beta: jax.Array, states: jax.Array, state_slots: jax.Array,
                             cu_q_lens: jax.Array, num_seqs: jax.Array,
-                            has_initial_state: jax.Array, write_slots: jax.Array | None = None,
-                            store: bool = True) -> tuple[jax.Array, jax.Array]:
+                            has_initial_state: jax.Array, store: bool = True) -> tuple[jax.Array, jax.Array]:
     """A mixed batch, token by token: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv];
     states [num_slots, Hv, dk, dv]; state_slots, has_initial_state [max_num_seqs];
     cu_q_lens [max_num_seqs + 1]; num_seqs a scalar. Returns (o [T, Hv, dv] float32, zeros
@@ -199,7 +198,7 @@ def ragged_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arr
                                           beta.astype(f32)))
     if not store:
         return o, carry
-    return o, _store(states, state_slots if write_slots is None else write_slots, num_seqs, carry)
+    return o, _store(states, state_slots, num_seqs, carry)
 
 
 def _one_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -228,8 +227,7 @@ def _one_chunk(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
 def ragged_gated_delta_rule_chunked(
         q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         states: jax.Array, state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-        has_initial_state: jax.Array, write_slots: jax.Array | None = None,
-        store: bool = True, chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+        has_initial_state: jax.Array, store: bool = True, chunk_size: int = CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """`ragged_gated_delta_rule` in the chunked form: each sequence's tokens in chunks of
     `chunk_size` (its last one short), the chunks of every sequence one after another, so a
     prefill step loops over about T / chunk_size + sequences chunks, not T tokens. Same
@@ -274,14 +272,12 @@ def ragged_gated_delta_rule_chunked(
     _, finals, out = jax.lax.fori_loop(0, ends[-1], body, (initial[0], initial, out))
     if not store:
         return out[:num_tokens], finals
-    return out[:num_tokens], _store(states, state_slots if write_slots is None else write_slots,
-                                    num_seqs, finals)
+    return out[:num_tokens], _store(states, state_slots, num_seqs, finals)
 
 
 def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array,
                          state_slots: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
-                         has_initial_state: jax.Array, write_slots: jax.Array | None = None,
-                         store: bool = True) -> tuple[jax.Array, jax.Array]:
+                         has_initial_state: jax.Array, store: bool = True) -> tuple[jax.Array, jax.Array]:
     """`causal_conv1d` over a mixed batch: x [T, C]; conv_states [num_slots, K-1, C]. Returns
     (y [T, C], zeros on padding rows; conv_states with each real sequence's slot holding the
     K-1 inputs that end it)."""
@@ -309,5 +305,4 @@ def ragged_causal_conv1d(x: jax.Array, weight: jax.Array, conv_states: jax.Array
     last = jnp.where((idx >= 0)[..., None], from_x, from_state)
     if not store:
         return y, last
-    return y, _store(conv_states, state_slots if write_slots is None else write_slots, num_seqs,
-                     last)
+    return y, _store(conv_states, state_slots, num_seqs, last)

@@ -42,5 +42,6 @@ export JAX_PLATFORMS=cpu
 export JAXSERVE_REQUIRE_DEVICE_COMPILE=1
 # Two workers (pytest-xdist), each given whole test files (a file's servers and compiles stay in
 # one process): one worker's idle time (a server starting, a subprocess compiling) is the
-# other's CPU. `-n 0` after the script's name runs everything in this process.
-exec python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+# other's CPU; the longest files first (tests/conftest.py). `-n 0` after the script's name runs
+# everything in this process.
+exec python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -45,6 +45,39 @@ def _bound_memory_maps() -> Iterator[None]:
             gc.collect()
 
 
+# The files that take longest, longest first (a full run's --durations, summed per file).
+# scripts/test.sh gives pytest-xdist whole files in collection order (--no-loadscope-reorder:
+# by default it orders them by test count, which put these few-test files last, one worker
+# running the last of them while the other idled); longest first, the run ends on short ones.
+LONGEST_FILES = [
+    "tests/device_compile/test_device_compile.py",
+    "tests/parallel/test_parallel.py",
+    "tests/api_server/test_engine_death.py",
+    "tests/worker/test_llm_default_model.py",
+    "tests/kernels/test_ragged_paged_attention.py",
+    "tests/api_server/test_server.py",
+    "tests/models/test_moe.py",
+    "tests/worker/test_spec_decode_default_model.py",
+    "tests/models/test_checkpoint_quant.py",
+    "tests/models/test_qwen3_next.py",
+    "tests/api_server/test_bad_inputs.py",
+    "tests/worker/test_sampler.py",
+    "tests/test_device_check.py",
+    "tests/worker/test_export_step.py",
+    "tests/kernels/test_kv_cache_layout.py",
+    "tests/kernels/test_reference.py",
+    "tests/api_server/test_embeddings.py",
+    "tests/worker/test_attention_backends.py",
+    "tests/api_server/test_data_parallel.py",
+    "tests/api_server/test_debug.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import jax

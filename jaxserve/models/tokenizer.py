@@ -29,14 +29,18 @@ def _gguf_cache_key(path: str) -> str:
 
 def load_tokenizer(model: str | ModelFiles | None) -> Any:
     """A Hugging Face fast tokenizer for `model` (None = the default model)."""
-    from transformers import AutoTokenizer
-
     files = model if isinstance(model, ModelFiles) else resolve_model(model)
     if files.format != ModelFormat.GGUF:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(files.path)
+    # What tokenizer_from_gguf saved is a PreTrainedTokenizerFast: loaded as one, transformers
+    # skips its model registry (AutoTokenizer imports torch where it is installed: 3 s a start).
+    from transformers import PreTrainedTokenizerFast
+
     cached = os.path.join(cache_dir(), "tokenizers", _gguf_cache_key(files.path))
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(cached)
+        return PreTrainedTokenizerFast.from_pretrained(cached)
     tok = tokenizer_from_gguf(files.path)
     tmp = f"{cached}.tmp{os.getpid()}"
     tok.save_pretrained(tmp)
@@ -45,7 +49,7 @@ def load_tokenizer(model: str | ModelFiles | None) -> Any:
         os.replace(tmp, cached)  # atomic: concurrent loaders never see half a cache
     except OSError:
         pass  # another process won the race; its copy is equivalent
-    return AutoTokenizer.from_pretrained(cached)
+    return PreTrainedTokenizerFast.from_pretrained(cached)
 
 
 def tokenizer_from_gguf(path: str) -> Any:

@@ -73,7 +73,7 @@ FIXED_CACHE = ["--num-gpu-blocks-override", "512"]
 # (docs/benchmarks.md, "Compiled bytes against the ideal"): a ratchet, not the 1.25x,
 # which test_llama3_8b_decode_reads_near_the_ideal holds at 8B shapes.
 BYTES_OVER_IDEAL_V5E_TP2 = 5.25
-SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 1}']
 WARM_UP = ["--only-warm-up"]  # the first-use variants (grammar, prompt logprobs, pooling) on v6e
 
 

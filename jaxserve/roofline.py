@@ -83,7 +83,10 @@ def weight_params(arch: ArchConfig, tokens: int) -> tuple[float, float]:
               else (bool(arch.num_experts),) * arch.num_hidden_layers)
     E, k = arch.num_experts, arch.num_experts_per_tok
     experts = E * (1 - (1 - k / E) ** tokens) if E else 0
-    moe_mlp = H * arch.num_experts + experts * 3 * H * arch.moe_intermediate_size
+    # The router, the experts reached, and a shared expert with its gate (Qwen3-Next) if any.
+    moe_mlp = (H * arch.num_experts + experts * 3 * H * arch.moe_intermediate_size
+               + H * (3 * arch.shared_expert_intermediate_size + 1) * bool(
+                   arch.shared_expert_intermediate_size))
     layers = sum((linear if i in linear_layers else attention) + (moe_mlp if s else dense_mlp)
                  for i, s in enumerate(sparse))
     head = arch.vocab_size * H

@@ -73,6 +73,12 @@ def test_a_hybrids_linear_layers_read_and_write_their_states_not_pages() -> None
     assert ideal.state_bytes == 2 * 2 * 448
     assert ideal.bytes == ideal.weight_bytes + ideal.kv_bytes + ideal.activation_bytes + 1792
     assert ideal.attention_flops == 4 * 8 * 20 + 6 * 4 * 4 * 4 * 2
+    # The MoE form (Qwen3-Next): a token reaches 2 of 8 experts of 3 x 8 x 4, the router 8 x 8,
+    # and the shared expert (3 x 8 x 6) with its gate (8 x 1), in each layer.
+    moe = dataclasses.replace(hybrid, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4,
+                              shared_expert_intermediate_size=6)
+    params, _ = roofline.weight_params(moe, tokens=1)
+    assert params == 704 + 256 + 2 * (64 + 2 * 96 + 144 + 8) + 800
 
 
 def test_roofline_time_is_the_slower_of_bandwidth_and_peak() -> None:

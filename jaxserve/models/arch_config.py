@@ -146,6 +146,9 @@ class ArchConfig:
     # per layer, whether its feed-forward is the experts' (else a SwiGLU of intermediate_size).
     # None: every layer alike.
     moe_layers: tuple[bool, ...] | None = None
+    # Qwen3-Next, Qwen3.5-MoE: beside the routed experts, a shared SwiGLU expert of this size
+    # whose output is scaled by sigmoid(x @ shared_expert_gate) (0: none).
+    shared_expert_intermediate_size: int = 0
     # Gemma 2 / 3 (models/gemma.py): 2 or 3, 0 for the others. Their norms scale by 1 + w,
     # the embedding by sqrt(hidden_size), the MLP is GeGLU, each layer has four norms.
     gemma: int = 0
@@ -180,6 +183,9 @@ class ArchConfig:
         if self.moe_layers is not None and len(self.moe_layers) != self.num_hidden_layers:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for "
                              f"{self.num_hidden_layers} layers")
+        if self.intermediate_size <= 0 and (not self.num_experts or self.moe_layers is not None):
+            raise ValueError(f"{self.architecture}: intermediate_size must be positive for its "
+                             "dense feed-forward layers")
 
     def stack_layers(self, param: str) -> list[int]:
         """The layers a feed-forward param (`gate`, `w_up`, `down_proj`, ...) is stacked over:
@@ -281,7 +287,8 @@ class ArchConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # Qwen3.5-MoE has none: every layer's feed-forward is the experts'.
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -301,7 +308,7 @@ class ArchConfig:
             sliding_window=int(window) if window else None,
             partial_rotary_factor=float((rope or {}).get(
                 "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
-            **moe, **gemma, **gpt_oss, **hybrid,
+            **{**moe, **gemma, **gpt_oss, **hybrid},  # a hybrid's MoE fields over moe's
         )
 
 
@@ -361,17 +368,20 @@ def _linear_attention_fields(arch: str, hybrid: bool, cfg: dict[str, Any]) -> di
                            "linear_value_head_dim", "linear_conv_kernel_dim") if k not in cfg]
     if missing:
         raise ValueError(f"{arch}: config.json lacks {', '.join(missing)}")
-    if cfg.get("num_experts"):
-        raise ValueError(f"{arch}: the mixture-of-experts variant (num_experts "
-                         f"{cfg['num_experts']}) is not supported yet; its dense form is")
     linear = LinearAttention(
         num_key_heads=int(cfg["linear_num_key_heads"]),
         num_value_heads=int(cfg["linear_num_value_heads"]),
         key_head_dim=int(cfg["linear_key_head_dim"]),
         value_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    moe: dict[str, Any] = {}
+    if cfg.get("num_experts"):
+        # Qwen3.5-MoE's router always renormalizes its top k (its config has no field for it).
+        moe = dict(shared_expert_intermediate_size=int(
+            cfg.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
     return dict(layer_types=tuple(types), linear_attention=linear, attn_output_gate=True,
-                norm_offset=1.0)
+                norm_offset=1.0, **moe)
 
 
 def _gpt_oss_fields(arch: str, experts: str | None, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -42,9 +42,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(qk_norm=True, experts="qwen3_moe"),
     # Sliding and full layers, attention sinks, biased projections and experts (moe.py).
     "GptOssForCausalLM": Architecture(sliding_window=True, attention_bias=True, experts="gpt_oss"),
-    # Gated DeltaNet hybrids: models/qwen3_next.py (dense feed-forward only, so far).
+    # Gated DeltaNet hybrids: models/qwen3_next.py, their experts (with a shared one) moe.py's.
     "Qwen3_5ForCausalLM": Architecture(qk_norm=True, linear_attention=True),
-    "Qwen3NextForCausalLM": Architecture(qk_norm=True, linear_attention=True),
+    "Qwen3_5MoeForCausalLM": Architecture(qk_norm=True, linear_attention=True, experts="qwen3_moe"),
+    "Qwen3NextForCausalLM": Architecture(qk_norm=True, linear_attention=True, experts="qwen3_moe"),
 }
 # Each family's sequence classifier (transformers' *ForSequenceClassification): the same
 # decoder, its `score` head in place of the lm_head (jaxserve/classifier.py).

@@ -1,5 +1,5 @@
-"""The Gated DeltaNet hybrids (Qwen3.5 `Qwen3_5ForCausalLM`, Qwen3-Next
-`Qwen3NextForCausalLM`, dense feed-forward): linear-attention layers, each keeping a
+"""The Gated DeltaNet hybrids (Qwen3.5 `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM`,
+Qwen3-Next `Qwen3NextForCausalLM`): linear-attention layers, each keeping a
 fixed-size recurrent state per sequence, with a full-attention layer every few (config.json's
 `layer_types`, three linear to one full in the released models).
 
@@ -8,7 +8,8 @@ fixed-size recurrent state per sequence, with a full-attention layer every few (
                        -> out_proj
     layer (full)     attention.py's Attention, its q_proj also giving each head a gate
                        (out * sigmoid(gate) before o_proj), q/k RMSNorm, partial rotary
-    every layer      RMSNorm scaling by 1 + w, SwiGLU
+    every layer      RMSNorm scaling by 1 + w, then SwiGLU, or (the MoE forms) moe.py's
+                       routed experts plus a shared expert scaled by sigmoid(x @ gate)
 
 The cache is a `HybridCache`: the full-attention layers' pages as the Llama decoder's
 (`kv`, slot i the i-th attention layer), and per linear layer its states in slots of a pool of
@@ -35,6 +36,7 @@ from jaxserve.models.arch_config import ArchConfig, LinearAttention
 from jaxserve.models.attention import Attention, ModelOptions, attention_spec, kv_cache_layout
 from jaxserve.models.attention_metadata import AttentionMetadata, StateMetadata
 from jaxserve.models.layers import RMSNorm, SwiGLU
+from jaxserve.models.moe import MoE
 from jaxserve.models.quantization import Dense
 from jaxserve.models.rope import rope_cos_sin
 from kernels_pallas.gated_delta_rule import reference as gdn
@@ -141,6 +143,26 @@ class GatedDeltaNet(nn.Module):
         return dense(cfg.hidden_size, "out_proj")(o.reshape(T, la.value_dim)), cache
 
 
+class SparseMoeBlock(nn.Module):
+    """The MoE forms' feed-forward: the routed experts (moe.py's `MoE`, params under
+    `experts`) plus, when the model has one, a shared expert gated per token."""
+
+    cfg: ArchConfig
+    opts: ModelOptions
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, opts = self.cfg, self.opts
+        out = MoE(cfg, opts, name="experts")(x)
+        if cfg.shared_expert_intermediate_size:
+            shared = SwiGLU(cfg.shared_expert_intermediate_size, cfg.hidden_size, opts.dtype,
+                            name="shared_expert")(x)
+            gate = Dense(1, use_bias=False, dtype=opts.dtype, param_dtype=opts.dtype,
+                         name="shared_expert_gate")(x)
+            out = out + jax.nn.sigmoid(gate) * shared
+        return out
+
+
 class HybridDecoderLayer(nn.Module):
     cfg: ArchConfig
     opts: ModelOptions
@@ -162,7 +184,10 @@ class HybridDecoderLayer(nn.Module):
         h = h + out
         x = RMSNorm(cfg.rms_norm_eps, opts.dtype, cfg.norm_offset,
                     name="post_attention_layernorm")(h)
-        return h + SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, name="mlp")(x), cache
+        sparse = cfg.num_experts > 0 and (cfg.moe_layers is None or cfg.moe_layers[self.layer])
+        mlp = (SparseMoeBlock(cfg, opts, name="mlp") if sparse else
+               SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, name="mlp"))
+        return h + mlp(x), cache
 
 
 class Qwen3NextForCausalLM(nn.Module):

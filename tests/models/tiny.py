@@ -61,16 +61,23 @@ def save_tiny_hf(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
         cfg_kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, **cfg_kwargs}
         cfg = transformers.MixtralConfig(**cfg_kwargs)
         model = transformers.MixtralForCausalLM(cfg)
-    elif kind in ("qwen3_5", "qwen3_next"):  # Gated DeltaNet hybrids: 3 linear layers, 1 full
+    elif kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # Gated DeltaNet hybrids: 3 linear
+        # layers, 1 full; the MoE forms with a shared expert, Qwen3-Next a dense layer among them
         cfg_kwargs = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                       "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                       "linear_conv_kernel_dim": 4, **cfg_kwargs,
                       "num_hidden_layers": overrides.get("num_hidden_layers", 4)}
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+               "shared_expert_intermediate_size": 24}
         if kind == "qwen3_5":
             cfg = transformers.Qwen3_5TextConfig(**cfg_kwargs)
             model = transformers.Qwen3_5ForCausalLM(cfg)
-        else:  # its dense form: no experts
-            cfg = transformers.Qwen3NextConfig(num_experts=0, **cfg_kwargs)
+        elif kind == "qwen3_5_moe":
+            cfg_kwargs.pop("intermediate_size", None)
+            cfg = transformers.Qwen3_5MoeTextConfig(**moe, **cfg_kwargs)
+            model = transformers.Qwen3_5MoeForCausalLM(cfg)
+        else:
+            cfg = transformers.Qwen3NextConfig(**moe, mlp_only_layers=[1], **cfg_kwargs)
             model = transformers.Qwen3NextForCausalLM(cfg)
     else:
         raise ValueError(kind)

@@ -3,7 +3,9 @@
 Qwen3.5 stores a linear layer's input projections apart (`in_proj_qkv`, `in_proj_z`,
 `in_proj_b`, `in_proj_a`); Qwen3-Next fuses them per key head (`in_proj_qkvz`: for each key
 head its q, k, then its value heads' v and z; `in_proj_ba`: its value heads' b, then a). Both
-are read into Qwen3.5's layout, so the decoder has one.
+are read into Qwen3.5's layout, so the decoder has one. The MoE forms' experts are one
+[out, in] tensor per expert (`mlp.experts.{e}.gate_proj`, as published) or transformers' fused
+stacks (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
 """
 
 from __future__ import annotations
@@ -69,6 +71,46 @@ def _attention_params(cfg: ArchConfig, get: GetTensor, prefix: str, dtype: np.dt
     return out
 
 
+def _kernel(get: GetTensor, name: str, shape: tuple[int, int], dtype: np.dtype, source: str
+            ) -> dict[str, np.ndarray]:
+    """A Dense's params from an HF [out, in] weight."""
+    return {"kernel": np.ascontiguousarray(fetch(get, name, shape, source).T, dtype)}
+
+
+def _swiglu_params(get: GetTensor, prefix: str, H: int, I: int, dtype: np.dtype, source: str
+                   ) -> dict[str, Any]:
+    return {n: _kernel(get, f"{prefix}.{n}.weight", shape, dtype, source)
+            for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+
+
+def _sparse_params(cfg: ArchConfig, get: GetTensor, prefix: str, dtype: np.dtype, source: str
+                   ) -> dict[str, Any]:
+    """A sparse layer's feed-forward: the router and the experts stacked as moe.py's MoE
+    reads them (w_gate, w_up [E, H, I], w_down [E, I, H]), and the shared expert if any."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts: dict[str, np.ndarray] = {
+        "gate": np.ascontiguousarray(fetch(get, f"{prefix}.gate.weight", (E, H), source).T, dtype)}
+    if get(f"{prefix}.experts.gate_up_proj") is not None:  # transformers' fused stacks
+        gate_up = fetch(get, f"{prefix}.experts.gate_up_proj", (E, 2 * I, H), source)
+        down = fetch(get, f"{prefix}.experts.down_proj", (E, H, I), source)
+        experts["w_gate"] = np.ascontiguousarray(gate_up[:, :I].transpose(0, 2, 1), dtype)
+        experts["w_up"] = np.ascontiguousarray(gate_up[:, I:].transpose(0, 2, 1), dtype)
+        experts["w_down"] = np.ascontiguousarray(down.transpose(0, 2, 1), dtype)
+    else:
+        for name, hf, shape in (("w_gate", "gate_proj", (I, H)), ("w_up", "up_proj", (I, H)),
+                                ("w_down", "down_proj", (H, I))):
+            experts[name] = np.stack([
+                fetch(get, f"{prefix}.experts.{e}.{hf}.weight", shape, source).T
+                for e in range(E)]).astype(dtype)
+    out: dict[str, Any] = {"experts": experts}
+    S = cfg.shared_expert_intermediate_size
+    if S:
+        out["shared_expert"] = _swiglu_params(get, f"{prefix}.shared_expert", H, S, dtype, source)
+        out["shared_expert_gate"] = _kernel(get, f"{prefix}.shared_expert_gate.weight", (1, H),
+                                            dtype, source)
+    return out
+
+
 def build_hybrid_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str
                         ) -> dict[str, Any]:
     """`{"params": ...}` of NumPy arrays of `dtype` (WeightLoadError naming a missing tensor or
@@ -88,9 +130,10 @@ def build_hybrid_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str
             layer["linear_attn"] = _linear_params(cfg, get, f"{p}.linear_attn", dtype, source)
         else:
             layer["self_attn"] = _attention_params(cfg, get, f"{p}.self_attn", dtype, source)
-        layer["mlp"] = {n: {"kernel": np.ascontiguousarray(
-            fetch(get, f"{p}.mlp.{n}.weight", shape, source).T, dtype)}
-            for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))}
+        if cfg.num_experts and (cfg.moe_layers is None or cfg.moe_layers[i]):
+            layer["mlp"] = _sparse_params(cfg, get, f"{p}.mlp", dtype, source)
+        else:
+            layer["mlp"] = _swiglu_params(get, f"{p}.mlp", H, I, dtype, source)
         params[f"layers_{i}"] = layer
     params["embed_tokens"] = {"embedding": np.asarray(
         fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}

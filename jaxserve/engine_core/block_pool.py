@@ -157,6 +157,11 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Drop `block` from the prefix cache if it is registered (its KV was never written)."""
+        if block.block_hash is not None:
+            self._evict_cached_block(block)
+
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         assert block_hash is not None

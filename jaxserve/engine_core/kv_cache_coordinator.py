@@ -118,9 +118,9 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.cache_blocks(request, num_computed_tokens)
 
-    def free(self, req_id: str) -> None:
+    def free(self, req_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:
-            m.free(req_id)
+            m.free(req_id, num_computed_tokens)
 
     def get_blocks(self, req_id: str) -> GroupBlocks | None:
         """The request's pages per group; None when it holds none."""

@@ -182,7 +182,8 @@ class KVCacheManager:
             # NOTE: pages are registered when scheduled, before the device
             # computes them. A request that hits them later is scheduled in a
             # later step (or later in this step's batch, whose KV writes
-            # precede its attention reads), so it never reads them unwritten.
+            # precede its attention reads), so it never reads them unwritten;
+            # if this request is preempted before its step runs, free() drops them.
             # Capped at num_tokens: placeholders are not real tokens yet.
             coordinator.cache_blocks(request, min(end, request.num_tokens))
         return added
@@ -211,8 +212,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's pages, last page first, so the deepest pages
-        of a prefix are evicted before the shared shallow ones."""
-        self.coordinator.free(request.req_id)
+        of a prefix are evicted before the shared shallow ones; pages registered for tokens
+        it has not computed (preempted in the schedule() that scheduled them) are no hits."""
+        self.coordinator.free(request.req_id, request.num_computed_tokens)
 
     def get_blocks(self, req_id: str) -> GroupBlocks | None:
         """The request's pages per group; None when it holds none."""

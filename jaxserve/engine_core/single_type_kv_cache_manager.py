@@ -105,11 +105,15 @@ class SingleTypeKVCacheManager:
                                           num_cached, num_full_blocks, self.group)
         self.num_cached_block[request.req_id] = num_full_blocks
 
-    def free(self, req_id: str) -> None:
+    def free(self, req_id: str, num_computed_tokens: int) -> None:
         """Release the request's pages, last page first, so the deepest pages of a prefix
-        are evicted before the shared shallow ones."""
+        are evicted before the shared shallow ones. Pages registered past its first
+        `num_computed_tokens` tokens (a step scheduled them, then the request was preempted
+        in the same schedule(): never computed) leave the prefix cache."""
         blocks = self.req_to_blocks.pop(req_id, [])
-        self.num_cached_block.pop(req_id, None)
+        num_cached = self.num_cached_block.pop(req_id, None) or 0
+        for block in blocks[num_computed_tokens // self.block_size:num_cached]:
+            self.block_pool.uncache_block(block)
         self.num_pages -= self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -167,8 +171,8 @@ class PassedBlocksManager(SingleTypeKVCacheManager):
         super().allocate_new_blocks(req_id, blocks)
         self.num_skipped_block.setdefault(req_id, 0)
 
-    def free(self, req_id: str) -> None:
-        super().free(req_id)
+    def free(self, req_id: str, num_computed_tokens: int) -> None:
+        super().free(req_id, num_computed_tokens)
         self.num_skipped_block.pop(req_id, None)
 
 

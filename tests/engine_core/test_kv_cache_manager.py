@@ -150,6 +150,21 @@ def test_lookahead_reserves_pages_but_only_computed_pages_are_cached():
     assert kv.get_computed_blocks(make_request("c", range(17)))[1] == 12
 
 
+def test_pages_scheduled_but_never_computed_leave_the_prefix_cache_when_freed():
+    """A step registers the pages it fills when it is scheduled; a request preempted later in
+    that same schedule() (a better one needs its pages) never computes them, so freeing it
+    drops them from the prefix cache: only the pages of its computed tokens stay hits."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS, max_model_len=64)
+    r = make_request("a", range(100, 106))
+    admit(kv, r)  # positions 0-5 computed: page 0 full
+    r.append_output_token_ids(7)
+    r.append_output_token_ids(8)  # 8 tokens: with two drafts, positions 6-9 this step
+    assert kv.allocate_slots(r, 4) is not None  # registers page 1 (positions 4-7)
+    kv.free(r)  # preempted in the same schedule(): num_computed_tokens is still 6
+    again = make_request("b", [*range(100, 106), 7, 8, 9])
+    assert kv.get_computed_blocks(again)[1] == BS
+
+
 def test_only_real_tokens_are_cached():
     kv = KVCacheManager(num_blocks=20, block_size=BS, max_model_len=64)
     a = make_request("a", range(7))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,24 @@ ARCHITECTURES.update({
 ARCHITECTURES["Gemma3TextForSequenceClassification"] = ARCHITECTURES.pop(
     "Gemma3ForSequenceClassification")  # transformers' Gemma3ForSequenceClassification is multimodal
 
+# Image-and-text checkpoints whose text decoder is served alone (images are not read): their
+# config.json nests it under `text_config`, their weights under `model.language_model`.
+TEXT_DECODER_OF: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
+def text_decoder_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as its text decoder's when it names one of TEXT_DECODER_OF (the top level's
+    keys, such as quantization_config, kept under text_config's), else unchanged."""
+    names = config.get("architectures") or []
+    text = next((TEXT_DECODER_OF[n] for n in names if n in TEXT_DECODER_OF), None)
+    if text is None or not isinstance(config.get("text_config"), dict):
+        return config
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **config["text_config"], "architectures": [text]}
+
 
 def supported_architectures() -> list[str]:
     """The generative architectures (each but the Gated DeltaNet hybrids has its
@@ -64,7 +83,8 @@ def supported_architectures() -> list[str]:
 
 def _supported() -> str:
     return (", ".join(supported_architectures())
-            + " (and each one's *ForSequenceClassification, but the Gated DeltaNet hybrids')")
+            + " (and each one's *ForSequenceClassification, but the Gated DeltaNet hybrids'; "
+            + ", ".join(TEXT_DECODER_OF) + " as their text decoder)")
 
 
 def resolve_architecture(names: Sequence[str] | None) -> str:

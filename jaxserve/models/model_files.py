@@ -89,8 +89,9 @@ def _resolve_model(model: str | None) -> ModelFiles:
 
 
 def read_hf_config(model_dir: str, hf_overrides: str | None = None) -> dict[str, Any]:
-    """config.json, with `hf_overrides`' keys laid over it; ValueError for a checkpoint stored
-    in a quantized format jaxserve does not read (`refuse_quantized`)."""
+    """config.json, with `hf_overrides`' keys laid over it (an image-and-text checkpoint's as
+    its text decoder's: models/architectures.py's TEXT_DECODER_OF); ValueError for a checkpoint
+    stored in a quantized format jaxserve does not read (`refuse_quantized`)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
@@ -101,6 +102,9 @@ def read_hf_config(model_dir: str, hf_overrides: str | None = None) -> dict[str,
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if hf_overrides:
         config.update(json.loads(hf_overrides))
+    from jaxserve.models.architectures import text_decoder_config
+
+    config = text_decoder_config(config)
     refuse_quantized(config, model_dir)
     return config
 
@@ -163,8 +167,9 @@ def model_eos_token_ids(files: ModelFiles) -> frozenset[int]:
             with open(path) as f:
                 cfg = json.load(f)
             add(cfg.get("eos_token_id"))
-            if isinstance(cfg.get("config"), dict):
-                add(cfg["config"].get("eos_token_id"))
+            for nested in ("config", "text_config"):  # Orbax's; an image-and-text model's
+                if isinstance(cfg.get(nested), dict):
+                    add(cfg[nested].get("eos_token_id"))
     return frozenset(ids)
 
 

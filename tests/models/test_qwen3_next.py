@@ -170,6 +170,35 @@ def test_qwen3_5_moe_and_fused_expert_stacks(tmp_path) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_text_decoder_of_qwen3_5s_image_and_text_checkpoint(tmp_path) -> None:
+    """Qwen3_5ForConditionalGeneration as published (config.json's text_config, the decoder's
+    weights under model.language_model, a vision tower beside): its text decoder is served,
+    logits equal to transformers' on a text-only prompt (no image tokens: mrope's three
+    position streams are one)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.2,
+                tie_word_embeddings=False)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64)
+    hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / "qwen3_5_vl")
+    hf.save_pretrained(path)
+    arch, params = load_checkpoint(path, np.float32)
+    assert arch.architecture == "Qwen3_5ForCausalLM" and arch.linear_layers == (0, 1, 2)
+    model = Qwen3NextForCausalLM(arch, ModelOptions(kv_cache_groups=hybrid_kv_cache_groups(arch)))
+    got = Steps(model, jax.tree.map(jnp.asarray, params), 1).step([(PROMPT, 0, 1, 1)])[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+
+
 def _edit_config(path: str, **changes) -> None:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)

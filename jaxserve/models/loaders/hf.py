@@ -44,6 +44,11 @@ def _read_float8(path: str, name: str) -> np.ndarray | None:
     return np.frombuffer(data, _FLOAT8[info["dtype"]]).reshape(info["shape"]).copy()
 
 
+# Where image-and-text checkpoints (models/architectures.py's TEXT_DECODER_OF) keep the text
+# decoder's weights that a text model keeps under `model.`.
+_TEXT_DECODER_PREFIX = "model.language_model."
+
+
 def load_hf_dir(
     model_dir: str, dtype: Any, weight_format: WeightFormat = WeightFormat.FLOAT,
     hf_overrides: str | None = None, experts_format: WeightFormat | None = None,
@@ -65,16 +70,18 @@ def load_hf_dir(
             raise WeightLoadError(f"{path}: cannot read safetensors file ({e})") from None
         handles.append(h)
         for key in h.keys():
-            where[key] = (h, path)
+            where[key] = (h, path, key)
+            if key.startswith(_TEXT_DECODER_PREFIX):  # an image-and-text checkpoint's decoder
+                where["model." + key.removeprefix(_TEXT_DECODER_PREFIX)] = (h, path, key)
 
     def read(name: str) -> np.ndarray | None:
         if name not in where:
             return None
-        h, path = where[name]
+        h, path, stored = where[name]
         try:
-            return h.get_tensor(name)
+            return h.get_tensor(stored)
         except Exception as e:
-            t = _read_float8(path, name)
+            t = _read_float8(path, stored)
             if t is None:
                 raise WeightLoadError(f"{path}: tensor {name!r} cannot be read ({e})") from None
             return t

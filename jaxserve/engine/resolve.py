@@ -128,7 +128,7 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         reason = f"{reason}; {stored.reason}"
     if resolve_packed_weights(weight_format, platform, tp, pp, mc.cpu_packed_weights):
         weight_format = WeightFormat.BF16_PACKED
-    refuse_contradictions(arch, weight_format, pc)
+    refuse_contradictions(arch, weight_format, pc, config.speculative_config is not None)
     experts_format, experts_reason = resolve_experts_format(files, arch, platform, tp,
                                                             pc.enable_expert_parallel)
     max_model_len = resolve_max_model_len(mc.max_model_len, arch)
@@ -152,11 +152,12 @@ def resolve_engine_config(config: EngineConfig, files: ModelFiles | None = None,
         scheduler_config=dataclasses.replace(config.scheduler_config, max_model_len=max_model_len))
 
 
-def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: ParallelConfig) -> None:
+def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: ParallelConfig,
+                          speculative: bool = False) -> None:
     """Flags this checkpoint contradicts, refused here (ValueError naming the flags) rather than
     once its weights are loaded or its programs traced, where the same checks also stand."""
     if arch.linear_attention is not None:
-        refuse_for_linear_hybrids(arch, weight_format, pc)
+        refuse_for_linear_hybrids(arch, weight_format, pc, speculative)
     split_layers(arch.num_hidden_layers, pc.pipeline_parallel_size)
     if arch.num_experts:
         check_experts(weight_format)
@@ -164,9 +165,14 @@ def refuse_contradictions(arch: ArchConfig, weight_format: WeightFormat, pc: Par
 
 
 def refuse_for_linear_hybrids(arch: ArchConfig, weight_format: WeightFormat,
-                              pc: ParallelConfig) -> None:
+                              pc: ParallelConfig, speculative: bool = False) -> None:
     """What the Gated DeltaNet hybrids (models/qwen3_next.py) do not run with yet."""
     name = arch.architecture
+    if speculative:
+        # A verified step runs the draft tokens through the linear layers: a rejected draft
+        # would stay in the recurrent state (no rollback yet).
+        raise ValueError(f"{name}: --speculative-config is not supported for the Gated DeltaNet "
+                         "hybrids yet (their recurrent state cannot take back rejected drafts)")
     if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
         raise ValueError(f"{name}: --tensor-parallel-size and --pipeline-parallel-size above 1 "
                          "are not supported for the Gated DeltaNet hybrids yet")

@@ -287,6 +287,8 @@ def test_through_the_engine_with_chunks_preemption_and_prefix_hits(qwen3_next: s
     (dict(mamba_block_size=6, block_size=4), r"--mamba-block-size 6 must be a multiple of "
                                              r"--block-size 4"),
     (dict(mamba_cache_mode="align", enable_prefix_caching=False), r"needs --enable-prefix-caching"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     r"--speculative-config is not supported for the Gated DeltaNet hybrids yet"),
 ])
 def test_what_they_do_not_run_with_is_refused_naming_the_flag(qwen3_5: str, flags: dict,
                                                              match: str) -> None:

@@ -153,9 +153,31 @@ def gguf_hf_config(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
     return cfg
 
 
+# Values per call of a quantized type's row dequantizer: the gguf package's own loop calls it
+# on 16 rows at a time, whose per-call overhead was half the default model's load.
+_DEQUANT_CHUNK_VALUES = 1 << 20
+
+
+def dequantize_tensor(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """A GGUF tensor's values as float32 (the gguf package's formulas, over large chunks of
+    rows: the same values, about twice as fast)."""
+    quant: Any = getattr(gguf.quants, qtype.name, None)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if block == 1 or not hasattr(quant, "dequantize_rows"):  # F32, F16, BF16 (or unknown)
+        return np.asarray(gguf.quants.dequantize(data, qtype), np.float32)
+    quant.init_grid()  # the IQ types' lookup grids
+    rows = data.reshape(-1, data.shape[-1])
+    row_values = rows.shape[1] // type_size * block
+    out = np.empty((rows.shape[0], row_values), np.float32)
+    step = max(1, _DEQUANT_CHUNK_VALUES // row_values)
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = quant.dequantize_rows(rows[i:i + step])
+    return out.reshape(*data.shape[:-1], row_values)
+
+
 def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     t = next(t for t in reader.tensors if t.name == name)
-    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    return dequantize_tensor(t.data, t.tensor_type)
 
 
 def _with_llama3_rope(cfg: ArchConfig, reader: gguf.GGUFReader, path: str) -> ArchConfig:
@@ -198,7 +220,7 @@ def load_gguf(path: str, dtype: Any, weight_format: WeightFormat = WeightFormat.
 
     def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
         try:
-            return gguf.quants.dequantize(t.data, t.tensor_type)
+            return dequantize_tensor(t.data, t.tensor_type)
         except Exception as e:
             raise WeightLoadError(
                 f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be dequantized ({e})"

@@ -40,6 +40,12 @@ def request_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return power_of_two_buckets(1, max_num_seqs)
 
 
+def verify_buckets(max_verify_rows: int) -> tuple[int, ...]:
+    """The verification sampler's row buckets: a step with drafts has at least two rows (a
+    request's draft and its bonus row), so none of 1."""
+    return power_of_two_buckets(min(2, max_verify_rows), max_verify_rows)
+
+
 def pad_to_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n; raises if n exceeds the largest."""
     i = bisect.bisect_left(buckets, n)

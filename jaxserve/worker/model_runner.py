@@ -45,7 +45,13 @@ from jaxserve.models import AttentionMetadata
 from jaxserve.models.variables import model_variables
 from jaxserve.parallel.pipeline import Stage
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.worker.buckets import MIN_TOKEN_BUCKET, pad_to_bucket, request_buckets, token_buckets
+from jaxserve.worker.buckets import (
+    MIN_TOKEN_BUCKET,
+    pad_to_bucket,
+    request_buckets,
+    token_buckets,
+    verify_buckets,
+)
 from jaxserve.worker.compile_progress import CompileProgress
 from jaxserve.worker.input_batch import InputBatch, StepInputs, as_dict
 from jaxserve.worker.packing import Packing
@@ -167,7 +173,7 @@ class ModelRunner:
         self.record_sampled = record_sampled
         # Rows of final states the forward keeps: one per request, or per draft row.
         self.num_logit_rows = max(S, max_verify_rows)
-        self.verify_buckets = request_buckets(max_verify_rows) if max_verify_rows else ()
+        self.verify_buckets = verify_buckets(max_verify_rows) if max_verify_rows else ()
         self.batch = InputBatch(S, max_model_len, block_size, V, self.num_logit_rows,
                                 len(self.model.opts.kv_cache_groups.groups))
         self.seed = seed

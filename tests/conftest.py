@@ -49,27 +49,31 @@ def _bound_memory_maps() -> Iterator[None]:
 # scripts/test.sh gives pytest-xdist whole files in collection order (--no-loadscope-reorder:
 # by default it orders them by test count, which put these few-test files last, one worker
 # running the last of them while the other idled); longest first, the run ends on short ones.
+# test_llm_default_model.py leads: its warm-up compiles the default model's programs at the
+# servers' settings, which the servers of test_engine_death.py and test_debug.py (warmed up
+# too) and every eager one then load from the run's persistent cache rather than compiling
+# them again beside it.
 LONGEST_FILES = [
+    "tests/worker/test_llm_default_model.py",
     "tests/device_compile/test_device_compile.py",
+    "tests/models/test_moe.py",
     "tests/parallel/test_parallel.py",
     "tests/api_server/test_engine_death.py",
-    "tests/worker/test_llm_default_model.py",
-    "tests/kernels/test_ragged_paged_attention.py",
-    "tests/api_server/test_server.py",
-    "tests/models/test_moe.py",
     "tests/worker/test_spec_decode_default_model.py",
-    "tests/models/test_checkpoint_quant.py",
-    "tests/models/test_qwen3_next.py",
-    "tests/api_server/test_bad_inputs.py",
-    "tests/worker/test_sampler.py",
-    "tests/test_device_check.py",
-    "tests/worker/test_export_step.py",
-    "tests/kernels/test_kv_cache_layout.py",
-    "tests/kernels/test_reference.py",
-    "tests/api_server/test_embeddings.py",
+    "tests/kernels/test_ragged_paged_attention.py",
+    "tests/models/test_gpt_oss.py",
+    "tests/api_server/test_server.py",
+    "tests/models/test_gemma.py",
     "tests/worker/test_attention_backends.py",
-    "tests/api_server/test_data_parallel.py",
+    "tests/models/test_checkpoint_quant.py",
     "tests/api_server/test_debug.py",
+    "tests/models/test_cpu_default.py",
+    "tests/models/test_qwen3_next.py",
+    "tests/test_device_check.py",
+    "tests/api_server/test_bad_inputs.py",
+    "tests/models/test_rope_scaling.py",
+    "tests/kernels/test_kv_cache_layout.py",
+    "tests/api_server/test_tiny_checkpoints.py",
 ]
 
 

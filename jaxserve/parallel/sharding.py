@@ -139,11 +139,16 @@ def param_shardings(params: dict[str, Any], mesh: Mesh, expert_parallel: bool = 
         axes = PARAM_AXES.get(keys)
         if axes is None and keys[0].startswith("layers_"):
             # A Gated DeltaNet hybrid's layer (models/qwen3_next.py: one subtree per layer, no
-            # layer axis): the stacked layers' rule without it; its linear attention whole (one
-            # device so far: engine/resolve.py refuses tensor parallelism for them).
-            stacked = PARAM_AXES.get(("layers", *keys[1:]))
-            axes = stacked[1:] if stacked else (
-                (None,) * leaf.ndim if keys[1] == "linear_attn" else None)
+            # layer axis): the stacked layers' rule without it (its routed experts' as the
+            # MoE's, its shared expert's as a dense MLP's); its linear attention and the shared
+            # expert's gate whole (one device so far: engine/resolve.py refuses tensor
+            # parallelism for them).
+            rest = keys[1:]
+            if rest[:2] in (("mlp", "experts"), ("mlp", "shared_expert")):
+                rest = ("mlp", *rest[2:])
+            stacked = PARAM_AXES.get(("layers", *rest))
+            whole = keys[1] == "linear_attn" or rest[:2] == ("mlp", "shared_expert_gate")
+            axes = stacked[1:] if stacked else ((None,) * leaf.ndim if whole else None)
         if axes is None:
             raise KeyError(f"no sharding rule for parameter {'/'.join(keys)}")
         return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules))

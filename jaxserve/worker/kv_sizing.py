@@ -37,6 +37,15 @@ def fmt_bytes(n: int | float) -> str:
 KNOBS = ("--tensor-parallel-size (weights and cache split over more devices), --quantization "
          "int8 (int8 weights), a smaller --max-model-len, --max-num-batched-tokens / "
          "--max-num-seqs (smaller activations) or a higher --gpu-memory-utilization")
+# The Gated DeltaNet hybrids refuse the first two (engine/resolve.py): not advice for them.
+HYBRID_KNOBS = ("a smaller --max-model-len, --max-num-batched-tokens / --max-num-seqs (smaller "
+                "activations) or a higher --gpu-memory-utilization (tensor parallelism and "
+                "quantized weights are not supported for the Gated DeltaNet hybrids yet)")
+
+
+def knobs(groups: KVCacheGroups) -> str:
+    """The flags that make room, for a model with these cache groups."""
+    return HYBRID_KNOBS if groups.recurrent_group() is not None else KNOBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +135,7 @@ class MemoryPlan:
 
 
 def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight_bytes: int,
-                      state_bytes: int, bytes_per_token: int) -> None:
+                      state_bytes: int, bytes_per_token: int, groups: KVCacheGroups) -> None:
     """Refuse, before anything compiles, a model whose weights alone do not fit."""
     usable = int(memory_bytes * utilization)
     if weight_bytes + state_bytes >= usable:
@@ -135,7 +144,7 @@ def check_weights_fit(device: str, memory_bytes: int, utilization: float, weight
             f"{fmt_bytes(weight_bytes)} per device (+ {fmt_bytes(state_bytes)} sampler state) "
             f"of {fmt_bytes(usable)} usable ({utilization:g} x {fmt_bytes(memory_bytes)}), "
             f"before activations and a cache of {fmt_bytes(bytes_per_token)} per token. "
-            f"Try {KNOBS}.")
+            f"Try {knobs(groups)}.")
 
 
 def refuse_too_few_pages(num_pages: int, page_size: int, max_model_len: int, given_by: str,
@@ -162,7 +171,7 @@ def plan_kv_cache(
     flag `given_by`), or InsufficientMemoryError when not one max_model_len sequence
     (computing up to `chunk` tokens a step) fits."""
     check_weights_fit(device, memory_bytes, utilization, weight_bytes, state_bytes,
-                      page_bytes // page_size)
+                      page_bytes // page_size, groups)
     room = int(memory_bytes * utilization) - weight_bytes - state_bytes - activation_bytes
     if kv_cache_memory_bytes is not None:
         room = kv_cache_memory_bytes
@@ -186,5 +195,5 @@ def plan_kv_cache(
             f"{fmt_bytes(max(room, 0))} of {fmt_bytes(plan.usable_bytes)} usable, and the cache "
             f"takes {fmt_bytes(plan.bytes_per_token)} per token "
             f"({fmt_bytes(need * page_bytes)} for one sequence); the largest max_model_len that "
-            f"fits is {fits}. Try {KNOBS}.")
+            f"fits is {fits}. Try {knobs(groups)}.")
     return plan

@@ -271,7 +271,7 @@ class Worker:
         page_bytes, budget = self.page_bytes(), cc.kv_cache_memory_bytes
         given_by = None if budget is None else f"--kv-cache-memory-bytes {budget}"
         check_weights_fit(device, memory_bytes, cc.gpu_memory_utilization, weights, state,
-                          page_bytes // cc.block_size)
+                          page_bytes // cc.block_size, self.kv_cache_groups)
         if cc.num_gpu_blocks_override is not None:  # the pages are given: nothing to measure
             activations = 0
             budget = cc.num_gpu_blocks_override * page_bytes + self.state_pool_bytes()

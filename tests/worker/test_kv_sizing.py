@@ -45,6 +45,13 @@ def test_weights_that_do_not_fit_are_refused_naming_the_box_and_knobs() -> None:
     for knob in ("--tensor-parallel-size", "--quantization int8", "--max-model-len",
                  "--gpu-memory-utilization"):
         assert knob in msg
+    # A Gated DeltaNet hybrid is not told to try the flags it refuses.
+    hybrid = KVCacheGroups.for_linear_hybrid((3,), (0, 1, 2), 0)
+    with pytest.raises(InsufficientMemoryError) as e:
+        plan_kv_cache(**{**FIGURES, "weight_bytes": 30 * GiB, "groups": hybrid})
+    msg = str(e.value)
+    assert "--tensor-parallel-size" not in msg and "--quantization" not in msg
+    assert "not supported for the Gated DeltaNet hybrids yet" in msg and "--max-model-len" in msg
 
 
 def test_a_cache_smaller_than_one_sequence_is_refused_with_the_largest_that_fits() -> None:

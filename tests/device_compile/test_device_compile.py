@@ -493,17 +493,20 @@ def test_gpt_oss_compiles(target: str, gpt_oss_model: str) -> None:
 
 @pytest.fixture(scope="module")
 def gdn_hybrid(tmp_path_factory) -> str:
-    """A small Qwen3.5 (3 Gated DeltaNet layers, then a full one) at the released models' head
-    dims: at the tiny test checkpoints' 8 x 8 states v6e relayouts the state pool around its
-    scatter (two copies a step), at 128 x 128 it does not."""
+    """A small Qwen3-Next (3 Gated DeltaNet layers, then a full one; routed experts with a
+    shared one, layer 1 dense) at the released models' head dims: at the tiny test
+    checkpoints' 8 x 8 states v6e relayouts the state pool around its scatter (two copies a
+    step), at 128 x 128 it does not."""
     import transformers
 
-    path = str(tmp_path_factory.mktemp("qwen3_5"))
-    transformers.Qwen3_5TextConfig(
-        architectures=["Qwen3_5ForCausalLM"], vocab_size=1024, hidden_size=256,
+    path = str(tmp_path_factory.mktemp("qwen3_next"))
+    transformers.Qwen3NextConfig(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=1024, hidden_size=256,
         intermediate_size=512, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=2048).save_pretrained(path)
+        linear_value_head_dim=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, mlp_only_layers=[1],
+        max_position_embeddings=2048).save_pretrained(path)
     return path
 
 

@@ -230,8 +230,11 @@ def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bi
         cfg = json.load(f)
     with open(tmp_path / "config.json", "w") as f:
         json.dump({**cfg, "tie_word_embeddings": False, "quantization_config": qc}, f)
+    # The cache sized from the compiler once (fp8 on v5e: the widest that must fit), given
+    # elsewhere: sizing compiles the forward again at its probe shapes (CI's time).
+    sized = (scheme, target) == ("fp8", "v5e:1x1")
     report = _preflight(target, "--model", str(tmp_path), "--programs", "forward", *WARM_UP,
-                        *([] if target == "v5e:1x1" else FIXED_CACHE))
+                        *([] if sized else FIXED_CACHE))
     _assert_clean(report)
     # The values are read in place: no widened copy of a layer (112 MiB for gate_proj in bf16).
     assert max(p.temp_bytes for p in report.programs) < 64 << 20
@@ -240,7 +243,7 @@ def test_quantized_llama3_8b_keeps_its_stored_width(scheme: str, target: str, bi
     if scheme in ("awq", "gptq-actorder"):  # fp16 scales and 4-bit zero points per group of 128
         stored += projections * (2 + 0.5) // 128
     assert stored <= report.memory.weight_bytes <= 1.05 * stored
-    if target == "v5e:1x1":  # the bf16 checkpoint does not fit (the test above)
+    if sized:  # the bf16 checkpoint does not fit (the test above); 4-bit ones hold more
         assert report.memory.max_concurrent_seqs >= 16
 
 

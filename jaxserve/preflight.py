@@ -186,7 +186,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="compile only warm-up's programs, not the first-use variants")
     g.add_argument("--programs", default=None, metavar="KINDS",
                    help="only these kinds of programs, comma-separated (forward, sample, "
-                        "verify, prompt_logprobs, pool, admit); default: all")
+                        "verify, prompt_logprobs, pool, admit); default: all. --roofline's "
+                        "compiled costs need forward (the greedy samplers they count are "
+                        "compiled for them if sample is left out)")
     g.add_argument("--compile-threads", type=int, default=None,
                    help="GPU targets: compiles at once (default: one per CPU core, at most 4); "
                         "TPU programs always compile one at a time")
@@ -300,8 +302,9 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
     report.roofline = [dataclasses.replace(r, temp_bytes=None if r.bucket is None
                                            else temps.get(r.bucket))
                        for r in report.roofline]
-    # Compiled costs need the forward and the greedy sampler (--programs may leave them out).
-    if report.roofline and (kinds is None or {ProgramKind.FORWARD, ProgramKind.SAMPLE} <= set(kinds)):
+    # Compiled costs need the forward (--programs may leave it out); the greedy samplers are
+    # compiled for them if --programs left the samplers out.
+    if report.roofline and (kinds is None or ProgramKind.FORWARD in kinds):
         from jaxserve.worker.program_cost import costed_rows
 
         report.roofline, report.roofline_compile_s = costed_rows(

@@ -84,18 +84,36 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
     return float(flops * layers), float(nbytes * layers)
 
 
+GREEDY = SamplerKey(0, SamplerMode.GREEDY, False, False)  # the sampler a step's cost counts
+
+
+def greedy_samplers(worker: Any, num_pages: int, options: dict[str, Any] | None, threads: int
+                    ) -> tuple[list[Program], list[Any], float]:
+    """The greedy sampler of each row bucket, compiled here (when the preflight's --programs
+    left the samplers out), their results and the seconds that took."""
+    runner = worker.make_runner(num_pages, abstract=True)
+    programs = [p for p in runner.programs(on_first_use=False)
+                if isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY]
+    results = compile_programs(programs, options, threads)
+    return programs, results, sum(c.compile_s for c in results if not isinstance(c, BaseException))
+
+
 def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Program],
                 compiled: list[Any], options: dict[str, Any] | None,
                 threads: int) -> tuple[list[Row], float]:
     """`rows` with `compiled_bytes` / `compiled_flops` (None where a program is not costed or
     the step needs more tokens than the largest bucket), and the seconds its compiles took.
     `compiled`: each of `programs`' results with `flops` and `bytes_accessed` (the preflight's
-    ProgramResults; a failed compile's are None)."""
+    ProgramResults; a failed compile's are None). Greedy samplers missing from `programs` are
+    compiled here."""
     buckets = sorted({r.bucket for r in rows if r.bucket is not None})
     forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
+    if not any(isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY for p in programs):
+        samplers, results, sampler_s = greedy_samplers(worker, num_pages, options, threads)
+        programs, compiled, seconds = [*programs, *samplers], [*compiled, *results], seconds + sampler_s
     greedy: dict[int, Cost | None] = {}
     for p, c in zip(programs, compiled):
-        if isinstance(p.key, SamplerKey) and p.key.alike() == SamplerKey(0, SamplerMode.GREEDY, False, False):
+        if isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY:
             greedy[p.key.rows] = _total([c])
     tp = worker.config.parallel_config.tensor_parallel_size
     out = []

@@ -532,9 +532,10 @@ def test_roofline_compares_targets_and_one_failure_hides_no_other() -> None:
     """`--target A B --roofline --json`: one object with `targets` and `rows`; v6e:1x1 cannot
     hold -tp 2 (its error is its row's), v5e:2x2 still gets its estimate, its price and the
     compiled cost of each decode step (worker/program_cost.py: an unrolled copy of the
-    forward, the kernel's plan, the greedy sampler; both devices together)."""
+    forward, the kernel's plan, the greedy sampler, compiled for the roofline alone since
+    --programs leaves the samplers out; both devices together)."""
     cmd = [sys.executable, "-m", "jaxserve.preflight", "--target", "v6e:1x1", "v5e:2x2", "--json",
-           "--roofline", "-tp", "2", "--programs", "forward,sample", "--only-warm-up",
+           "--roofline", "-tp", "2", "--programs", "forward", "--only-warm-up",
            # two decode batches (R in {1, 2}) and a prefill past the largest bucket (T=32)
            "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "2048",
            *FIXED_CACHE]

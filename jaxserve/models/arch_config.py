@@ -196,6 +196,10 @@ class ArchConfig:
         dense = param in DENSE_MLP_PARAMS
         return [i for i, sparse in enumerate(self.moe_layers) if sparse != dense]
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's feed-forward is the experts' (else a dense SwiGLU)."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[i])
+
     @property
     def mlp_stack_index(self) -> tuple[int, ...] | None:
         """With dense layers among the sparse (`moe_layers`): each layer's index in its own

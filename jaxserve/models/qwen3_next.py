@@ -184,8 +184,7 @@ class HybridDecoderLayer(nn.Module):
         h = h + out
         x = RMSNorm(cfg.rms_norm_eps, opts.dtype, cfg.norm_offset,
                     name="post_attention_layernorm")(h)
-        sparse = cfg.num_experts > 0 and (cfg.moe_layers is None or cfg.moe_layers[self.layer])
-        mlp = (SparseMoeBlock(cfg, opts, name="mlp") if sparse else
+        mlp = (SparseMoeBlock(cfg, opts, name="mlp") if cfg.is_moe_layer(self.layer) else
                SwiGLU(cfg.intermediate_size, cfg.hidden_size, opts.dtype, name="mlp"))
         return h + mlp(x), cache
 

@@ -87,13 +87,18 @@ def kernel_cost(worker: Any, q_lens: list[int], kv_lens: list[int]) -> Cost:
 GREEDY = SamplerKey(0, SamplerMode.GREEDY, False, False)  # the sampler a step's cost counts
 
 
+def _greedy_rows(p: Program) -> int | None:
+    """The row bucket of a greedy sampler program; None for any other program."""
+    return p.key.rows if isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY else None
+
+
 def greedy_samplers(worker: Any, num_pages: int, options: dict[str, Any] | None, threads: int
                     ) -> tuple[list[Program], list[Any], float]:
     """The greedy sampler of each row bucket, compiled here (when the preflight's --programs
     left the samplers out), their results and the seconds that took."""
     runner = worker.make_runner(num_pages, abstract=True)
     programs = [p for p in runner.programs(on_first_use=False)
-                if isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY]
+                if _greedy_rows(p) is not None]
     results = compile_programs(programs, options, threads)
     return programs, results, sum(c.compile_s for c in results if not isinstance(c, BaseException))
 
@@ -108,13 +113,13 @@ def costed_rows(rows: list[Row], worker: Any, num_pages: int, programs: list[Pro
     compiled here."""
     buckets = sorted({r.bucket for r in rows if r.bucket is not None})
     forwards, seconds = forward_costs(worker, num_pages, buckets, programs, compiled, options, threads)
-    if not any(isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY for p in programs):
+    if all(_greedy_rows(p) is None for p in programs):
         samplers, results, sampler_s = greedy_samplers(worker, num_pages, options, threads)
         programs, compiled, seconds = [*programs, *samplers], [*compiled, *results], seconds + sampler_s
     greedy: dict[int, Cost | None] = {}
     for p, c in zip(programs, compiled):
-        if isinstance(p.key, SamplerKey) and p.key.alike() == GREEDY:
-            greedy[p.key.rows] = _total([c])
+        if (bucket := _greedy_rows(p)) is not None:
+            greedy[bucket] = _total([c])
     tp = worker.config.parallel_config.tensor_parallel_size
     out = []
     for r in rows:

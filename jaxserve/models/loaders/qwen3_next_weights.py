@@ -18,6 +18,12 @@ from jaxserve.models.arch_config import ArchConfig, LinearAttention
 from jaxserve.models.loaders.weights import GetTensor, WeightLoadError, fetch
 
 
+def _kernel(get: GetTensor, name: str, shape: tuple[int, int], dtype: np.dtype, source: str
+            ) -> dict[str, np.ndarray]:
+    """A Dense's params from an HF [out, in] weight."""
+    return {"kernel": np.ascontiguousarray(fetch(get, name, shape, source).T, dtype)}
+
+
 def _split_fused(la: LinearAttention, qkvz: np.ndarray, ba: np.ndarray
                  ) -> dict[str, np.ndarray]:
     """Qwen3-Next's fused [out, in] projections as Qwen3.5's four."""
@@ -52,8 +58,7 @@ def _linear_params(cfg: ArchConfig, get: GetTensor, prefix: str, dtype: np.dtype
     out["dt_bias"] = np.asarray(fetch(get, f"{prefix}.dt_bias", (Hv,), source), dtype)
     out["A_log"] = np.asarray(fetch(get, f"{prefix}.A_log", (Hv,), source), dtype)
     out["norm"] = np.asarray(fetch(get, f"{prefix}.norm.weight", (la.value_head_dim,), source), dtype)
-    out["out_proj"] = {"kernel": np.ascontiguousarray(
-        fetch(get, f"{prefix}.out_proj.weight", (H, la.value_dim), source).T, dtype)}
+    out["out_proj"] = _kernel(get, f"{prefix}.out_proj.weight", (H, la.value_dim), dtype, source)
     return out
 
 
@@ -64,17 +69,10 @@ def _attention_params(cfg: ArchConfig, get: GetTensor, prefix: str, dtype: np.dt
     out: dict[str, Any] = {}
     for name, shape in (("q_proj", (q_rows, H)), ("k_proj", (KV, H)), ("v_proj", (KV, H)),
                         ("o_proj", (H, Q))):
-        out[name] = {"kernel": np.ascontiguousarray(
-            fetch(get, f"{prefix}.{name}.weight", shape, source).T, dtype)}
+        out[name] = _kernel(get, f"{prefix}.{name}.weight", shape, dtype, source)
     for name in ("q_norm", "k_norm"):
         out[name] = {"scale": np.asarray(fetch(get, f"{prefix}.{name}.weight", (D,), source), dtype)}
     return out
-
-
-def _kernel(get: GetTensor, name: str, shape: tuple[int, int], dtype: np.dtype, source: str
-            ) -> dict[str, np.ndarray]:
-    """A Dense's params from an HF [out, in] weight."""
-    return {"kernel": np.ascontiguousarray(fetch(get, name, shape, source).T, dtype)}
 
 
 def _swiglu_params(get: GetTensor, prefix: str, H: int, I: int, dtype: np.dtype, source: str
@@ -130,7 +128,7 @@ def build_hybrid_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str
             layer["linear_attn"] = _linear_params(cfg, get, f"{p}.linear_attn", dtype, source)
         else:
             layer["self_attn"] = _attention_params(cfg, get, f"{p}.self_attn", dtype, source)
-        if cfg.num_experts and (cfg.moe_layers is None or cfg.moe_layers[i]):
+        if cfg.is_moe_layer(i):
             layer["mlp"] = _sparse_params(cfg, get, f"{p}.mlp", dtype, source)
         else:
             layer["mlp"] = _swiglu_params(get, f"{p}.mlp", H, I, dtype, source)
@@ -139,6 +137,5 @@ def build_hybrid_params(cfg: ArchConfig, get: GetTensor, dtype: Any, source: str
         fetch(get, "model.embed_tokens.weight", (V, H), source), dtype)}
     params["norm"] = {"scale": np.asarray(fetch(get, "model.norm.weight", (H,), source), dtype)}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"kernel": np.ascontiguousarray(
-            fetch(get, "lm_head.weight", (V, H), source).T, dtype)}
+        params["lm_head"] = _kernel(get, "lm_head.weight", (V, H), dtype, source)
     return {"params": params}

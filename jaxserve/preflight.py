@@ -279,7 +279,8 @@ def _run(config: Any, target: Target, files: ModelFiles, on_first_use: bool,
                 if (kinds is None or p.kind in kinds) and (only is None or only(p))]
     m = report.memory
     progress = CompileProgress(len(programs), f"Compiling programs for {target.name}")
-    for program, c in zip(programs, compile_programs(programs, options, threads, progress)):
+    for program, c in zip(programs, compile_programs(programs, options, threads, progress,
+                                                     worker.sizing_compiled)):
         if isinstance(c, BaseException):
             report.programs.append(ProgramResult(program.name, program.kind, program.at_warm_up,
                                                  0.0, error=" ".join(str(c).split())[:500]))

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar, cast
 
 import jax
@@ -146,6 +146,7 @@ class ModelRunner:
         logprobs_branch: bool = False,
         threshold_search: ThresholdSearch = DEFAULT_SEARCH,
         pooler: Pooler | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         """`max_verify_rows` > 0 turns on draft verification (speculative decoding): the
         most logits rows a step with drafts has (requests plus their drafts).
@@ -157,7 +158,8 @@ class ModelRunner:
         vocabulary, by a data-dependent branch on the device: for the CPU only (on GPU/TPU
         such a branch can synchronise with the host; scripts/export_step.py refuses it).
         `threshold_search`: how top-k and top-p find their thresholds (sampler.ThresholdSearch).
-        `pooler`: the pooling requests' (worker/pooler.py; a classifier's holds its head)."""
+        `pooler`: the pooling requests' (worker/pooler.py; a classifier's holds its head).
+        `compiler_options`: XLA's, for every program this runner dispatches (worker.py)."""
         self.stages = stages
         self.logprobs_branch = logprobs_branch
         self.threshold_search = threshold_search
@@ -192,16 +194,19 @@ class ModelRunner:
         self.penalties = place(PenaltyState.zeros(S, V), replicated)
         # The compiled programs (public: worker/programs.py lists them for the warm-up, the
         # KV-cache sizing and the preflight; `*_fn` are their traced functions).
+        options = dict(compiler_options) if compiler_options else None
         self.stage_program = _jit_method(self, ModelRunner.stage_fn, static_argnums=(0,),
-                                         donate_argnums=(2,))
+                                         donate_argnums=(2,), compiler_options=options)
         self.prompt_logprobs_program = _jit_method(self, ModelRunner.prompt_logprobs_fn,
-                                                   out_shardings=replicated)
+                                                   out_shardings=replicated, compiler_options=options)
         self.pooler = pooler or Pooler(S)
-        self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated)
+        self.pool_program = jax.jit(pool_sums, static_argnums=(2,), out_shardings=replicated,
+                                    compiler_options=options)
         # Sampler results are replicated so every process (multi-host) holds them whole.
         self.sample_program = _jit_method(self, ModelRunner.sample_fn, static_argnums=(0,),
-                                          donate_argnums=(3, 4), out_shardings=replicated)
-        self.admit_program = jax.jit(admit, donate_argnums=(0,))
+                                          donate_argnums=(3, 4), out_shardings=replicated,
+                                          compiler_options=options)
+        self.admit_program = jax.jit(admit, donate_argnums=(0,), compiler_options=options)
         # Device seconds of each sampler program, timed at warm-up: traces split a step's
         # device time into forward and sampler with it.
         self.sample_time_s: dict[SamplerKey, float] = {}

@@ -25,7 +25,7 @@ import functools
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -270,20 +270,40 @@ def cost_analysis(compiled: Any) -> tuple[float | None, float | None]:
     return (None if flops is None else float(flops)), (None if nbytes is None else float(nbytes))
 
 
+def signature(program: Program) -> Hashable:
+    """What a program's executable is made from besides its function's code: its name (the
+    static variant) and its arguments' structure, shapes, dtypes and shardings."""
+    leaves, tree = jax.tree.flatten(program.args)
+    return (program.name, program.kind, tree, tuple(
+        (leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) if hasattr(leaf, "shape")
+        else leaf for leaf in leaves))
+
+
 def compile_programs(programs: list[Program], compiler_options: dict[str, Any] | None = None,
-                     threads: int = 1, progress: CompileProgress | None = None
+                     threads: int = 1, progress: CompileProgress | None = None,
+                     compiled: Mapping[Hashable, CompiledProgram] | None = None
                      ) -> list[CompiledProgram | BaseException]:
     """`compile_program` for each, in order; a failed trace or compile is its exception.
     Programs are traced and lowered one after another on this thread; with `threads` > 1 their
     compiles (outside the GIL) run in that many threads while the next ones are lowered.
-    `progress`: where the count goes (default: a bar on a terminal, else log lines)."""
+    `progress`: where the count goes (default: a bar on a terminal, else log lines).
+    `compiled`: reports by `signature` of programs compiled before (KV-cache sizing's), counted
+    and returned rather than compiled again."""
     if progress is None:
         progress = CompileProgress(len(programs))
+    known = compiled or {}
+    keys = [signature(p) for p in programs] if known else [None] * len(programs)
+    todo = [p for p, k in zip(programs, keys) if k not in known]
     with progress:
+        for _ in range(len(programs) - len(todo)):
+            progress.done()
         if threads <= 1:
-            return [_compile_counted(progress, functools.partial(_compile_one, p, compiler_options),
-                                     p.name) for p in programs]
-        return _compile_in_threads(programs, compiler_options, threads, progress)
+            results = [_compile_counted(progress, functools.partial(_compile_one, p, compiler_options),
+                                        p.name) for p in todo]
+        else:
+            results = _compile_in_threads(todo, compiler_options, threads, progress)
+    fresh = iter(results)
+    return [known[k] if k in known else next(fresh) for k in keys]
 
 
 def _compile_in_threads(programs: list[Program], compiler_options: dict[str, Any] | None,

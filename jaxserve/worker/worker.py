@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Hashable
 from typing import Any, cast
 
 import jax
@@ -44,7 +45,7 @@ from jaxserve.worker.compile_progress import CompileProgress
 from jaxserve.worker.kv_sizing import MemoryPlan, check_weights_fit, fmt_bytes, plan_kv_cache, refuse_too_few_pages
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.pooler import Pooler
-from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, sizing_programs
+from jaxserve.worker.programs import CompiledProgram, compile_program, per_device_bytes, signature, sizing_programs
 from jaxserve.worker.sampler import ThresholdSearch
 from jaxserve.worker.step_handle import StepHandle
 
@@ -60,6 +61,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # docs/benchmarks.md has the measurements.
 THRESHOLD_SEARCH_CPU = ThresholdSearch(radix_bits=1, unrolled=False)
 THRESHOLD_SEARCH_DEVICE = ThresholdSearch(radix_bits=4, unrolled=True)
+# XLA's CPU compiler: its older (LLVM IR) fusion emitters compile the engine's programs in
+# about two thirds of the time of the MLIR ones and the steps run as fast (the matmuls are
+# oneDNN's or our kernels'): docs/benchmarks.md, "Compiling for the CPU".
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 def _needs_head_adaptation(files: ModelFiles, tp: int) -> bool:
@@ -140,6 +145,8 @@ class Worker:
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
         self.sizing_programs: list[CompiledProgram] = []
+        # Their reports by programs.signature: what compile_programs need not compile again.
+        self.sizing_compiled: dict[Hashable, CompiledProgram] = {}
         self.score_head: np.ndarray | None = None  # a classifier's head, on the host
 
     @property
@@ -285,6 +292,9 @@ class Worker:
                     with progress.compiling(p.name):
                         self.sizing_programs.append(compile_program(p, compiler_options)[0])
                     progress.done()
+            # One that takes no cache (a sampler, prompt logprobs) is the program any page count
+            # runs: compile_programs reuses its report rather than compiling it again.
+            self.sizing_compiled = {signature(p): c for p, c in zip(programs, self.sizing_programs)}
             activations = max(c.activation_bytes for c in self.sizing_programs)
         return plan_kv_cache(
             device=device, memory_bytes=memory_bytes, utilization=cc.gpu_memory_utilization,
@@ -333,6 +343,7 @@ class Worker:
             threshold_search=(THRESHOLD_SEARCH_CPU if self.platform == "cpu"
                               else THRESHOLD_SEARCH_DEVICE),
             pooler=Pooler(sc.max_num_seqs, self.score_head, self.resolved.classifier),
+            compiler_options=CPU_COMPILER_OPTIONS if self.platform == "cpu" else None,
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

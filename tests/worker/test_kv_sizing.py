@@ -96,6 +96,7 @@ def test_serving_worker_and_preflight_size_the_cache_alike(tiny_config, monkeypa
     num_blocks = serving.determine_num_blocks()
     preflight = Worker(tiny_config)
     preflight.load_abstract_model()
+    monkeypatch.setattr(preflight, "platform", "tpu")  # the device's programs, as above
     plan = preflight.plan_memory(memory, "test device")
     assert num_blocks == plan.num_pages == serving.memory_plan.num_pages
     assert serving.memory_plan == plan

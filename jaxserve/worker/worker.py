@@ -61,9 +61,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # docs/benchmarks.md has the measurements.
 THRESHOLD_SEARCH_CPU = ThresholdSearch(radix_bits=1, unrolled=False)
 THRESHOLD_SEARCH_DEVICE = ThresholdSearch(radix_bits=4, unrolled=True)
-# XLA's CPU compiler: its older (LLVM IR) fusion emitters compile the engine's programs in
-# about two thirds of the time of the MLIR ones and the steps run as fast (the matmuls are
-# oneDNN's or our kernels'): docs/benchmarks.md, "Compiling for the CPU".
+# XLA's CPU compiler: its older (LLVM IR) fusion emitters compile the engine's programs
+# faster than the MLIR ones, and the steps run as fast (the matmuls and attention are oneDNN's
+# or our kernels'): docs/benchmarks.md, "Compiling less at start-up".
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
@@ -145,7 +145,7 @@ class Worker:
         self.timings: dict[str, float] = {}
         self.memory_plan: MemoryPlan | None = None  # a GPU/TPU's sizing (None on the CPU)
         self.sizing_programs: list[CompiledProgram] = []
-        # Their reports by programs.signature: what compile_programs need not compile again.
+        # Their reports by programs.signature, for compile_programs to reuse (preflight).
         self.sizing_compiled: dict[Hashable, CompiledProgram] = {}
         self.score_head: np.ndarray | None = None  # a classifier's head, on the host
 
@@ -292,8 +292,8 @@ class Worker:
                     with progress.compiling(p.name):
                         self.sizing_programs.append(compile_program(p, compiler_options)[0])
                     progress.done()
-            # One that takes no cache (a sampler, prompt logprobs) is the program any page count
-            # runs: compile_programs reuses its report rather than compiling it again.
+            # A program that takes no cache (a sampler, prompt logprobs) is the same at any page
+            # count: the final compile reuses its report (a forward's signature differs).
             self.sizing_compiled = {signature(p): c for p, c in zip(programs, self.sizing_programs)}
             activations = max(c.activation_bytes for c in self.sizing_programs)
         return plan_kv_cache(
